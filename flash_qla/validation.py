@@ -1,0 +1,141 @@
+"""Argument checks for the public API: every message names the argument and what was expected."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_INPUT_DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes of one validated call (all run-time values for the kernels)."""
+    batch: int
+    tokens: int
+    num_qk_heads: int
+    num_v_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    num_seqs: int
+    scale: float
+    varlen: bool
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _require_tensor(name: str, x, ndim: int, dims: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {dims}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {dims}, got shape {tuple(x.shape)}")
+
+
+def _require_float(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor ({', '.join(map(_dtype_name, FLOAT_DTYPES))}), "
+                        f"got {_dtype_name(x.dtype)}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
+    """Validate a packed-varlen offsets tensor; returns the number of sequences.
+
+    Values are read on the host only when the tensor already lives there, so a CUDA ``cu_seqlens``
+    costs no device synchronisation (its shape and dtype are still checked).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a 1-D int32/int64 torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {_dtype_name(cu_seqlens.dtype)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens requires packed inputs with batch size B == 1, got B = {batch}")
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+        bad = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+        if bad is not None:
+            raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad}] = {cu[bad]} < "
+                             f"cu_seqlens[{bad - 1}] = {cu[bad - 1]}")
+        if cu[-1] != tokens:
+            raise ValueError(f"cu_seqlens must end at the token count T = {tokens}, got cu_seqlens[-1] = {cu[-1]}")
+    return cu_seqlens.numel() - 1
+
+
+def validate_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None) -> Problem:
+    """Check shapes, dtypes, devices and head counts; return the call's sizes."""
+    _require_tensor("q", q, 4, "[B, T, Hq, K]")
+    _require_tensor("k", k, 4, "[B, T, Hq, K]")
+    _require_tensor("v", v, 4, "[B, T, Hv, V]")
+    _require_tensor("g", g, 3, "[B, T, Hv]")
+    _require_tensor("beta", beta, 3, "[B, T, Hv]")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_float(name, x)
+    B, T, Hq, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)} [B, T, Hq, K], got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must share q's batch and token dims (B, T) = {(B, T)}, got v shape {tuple(v.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, T, Hv):
+            raise ValueError(f"{name} must have shape [B, T, Hv] = {(B, T, Hv)}, got {tuple(x.shape)}")
+    if min(Hq, Hv, K, V) < 1:
+        raise ValueError(f"head counts and head dims must be positive, got Hq={Hq}, Hv={Hv}, K={K}, V={V}")
+    if Hv % Hq != 0:
+        raise ValueError(f"the number of v heads Hv = {Hv} (v.shape[2]) must be a multiple of the number of "
+                         f"q/k heads Hq = {Hq} (q.shape[2])")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {_dtype_name(q.dtype)}, k {_dtype_name(k.dtype)}, "
+                        f"v {_dtype_name(v.dtype)}")
+    devices = {x.device for x in (q, k, v, g, beta)}
+    if initial_state is not None and isinstance(initial_state, torch.Tensor):
+        devices.add(initial_state.device)
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, g, beta and initial_state must be on one device, got {sorted(map(str, devices))}")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float (default K**-0.5), got {scale!r}")
+
+    if cu_seqlens is not None:
+        N = check_cu_seqlens(cu_seqlens, B, T)
+        if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens must be on the CPU or on q's device {q.device}, got {cu_seqlens.device}")
+    else:
+        N = B
+
+    if initial_state is not None:
+        _require_tensor("initial_state", initial_state, 4, "[N, Hv, K, V]")
+        _require_float("initial_state", initial_state)
+        if tuple(initial_state.shape) != (N, Hv, K, V):
+            raise ValueError(f"initial_state must have shape [N, Hv, K, V] = {(N, Hv, K, V)} "
+                             f"(N = {'len(cu_seqlens) - 1' if cu_seqlens is not None else 'B'}), "
+                             f"got {tuple(initial_state.shape)}")
+    return Problem(B, T, Hq, Hv, K, V, N, float(scale), cu_seqlens is not None)
+
+
+def validate_kernel_inputs(problem: Problem, q, g, beta, initial_state, supported_head_dims) -> None:
+    """Extra rules of the compiled kernels (sm_90a path): dtypes and the head dims that were built."""
+    if q.dtype not in KERNEL_INPUT_DTYPES:
+        raise TypeError(f"the sm_90a kernels take q/k/v in bfloat16 or float16, got {_dtype_name(q.dtype)} "
+                        f"(use backend='reference' for float32/float64)")
+    if g.dtype != torch.float32:
+        raise TypeError(f"g must be float32 for the sm_90a kernels, got {_dtype_name(g.dtype)}")
+    if beta.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"beta must be float32 or q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(beta.dtype)}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state must be float32 for the sm_90a kernels, got {_dtype_name(initial_state.dtype)}")
+    dims = (problem.head_dim_k, problem.head_dim_v)
+    if dims not in supported_head_dims:
+        listed = ", ".join(f"(K={a}, V={b})" for a, b in sorted(supported_head_dims))
+        raise ValueError(f"head dims (K={dims[0]}, V={dims[1]}) are not built for sm_90a; supported: {listed}")
