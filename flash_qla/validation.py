@@ -85,14 +85,14 @@ def validate_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
         raise ValueError(f"k must have the shape of q {tuple(q.shape)} [B, T, Hq, K], got {tuple(k.shape)}")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must share q's batch and token dims (B, T) = {(B, T)}, got v shape {tuple(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (B, T, Hv):
-            raise ValueError(f"{name} must have shape [B, T, Hv] = {(B, T, Hv)}, got {tuple(x.shape)}")
     if min(Hq, Hv, K, V) < 1:
         raise ValueError(f"head counts and head dims must be positive, got Hq={Hq}, Hv={Hv}, K={K}, V={V}")
     if Hv % Hq != 0:
         raise ValueError(f"the number of v heads Hv = {Hv} (v.shape[2]) must be a multiple of the number of "
                          f"q/k heads Hq = {Hq} (q.shape[2])")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, T, Hv):
+            raise ValueError(f"{name} must have shape [B, T, Hv] = {(B, T, Hv)}, got {tuple(x.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {_dtype_name(q.dtype)}, k {_dtype_name(k.dtype)}, "
                         f"v {_dtype_name(v.dtype)}")
