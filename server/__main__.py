@@ -1,0 +1,4 @@
+"""``python -m server``: see :mod:`server.cli`."""
+from .cli import main
+
+main()

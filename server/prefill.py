@@ -1,0 +1,90 @@
+"""One decoded /v1/prefill request: checked through flash_qla.validation, and the key it batches under."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from flash_qla.validation import validate_inputs
+
+from .errors import InputError
+
+# What each tensor of a request looks like (no batch dim: the service always packs with cu_seqlens).
+TENSOR_LAYOUTS = {"q": "[T, Hq, K]", "k": "[T, Hq, K]", "v": "[T, Hv, V]", "g": "[T, Hv]", "beta": "[T, Hv]",
+                  "cu_seqlens": "[N+1]", "initial_state": "[N, Hv, K, V]"}
+REQUIRED_TENSORS = ("q", "k", "v", "g", "beta", "cu_seqlens")
+
+
+class BatchKey(NamedTuple):
+    """Requests with equal keys can share one varlen launch."""
+    num_qk_heads: int
+    num_v_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    qkv_dtype: torch.dtype
+    g_dtype: torch.dtype
+    beta_dtype: torch.dtype
+    scale: float
+    use_qk_l2norm_in_kernel: bool
+
+
+@dataclass
+class PrefillRequest:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    cu_seqlens: torch.Tensor               # int64, on the host
+    initial_state: Optional[torch.Tensor]  # in state_dtype(q.dtype), or None for zeros
+    scale: float                           # resolved (K**-0.5 when the client sent none)
+    use_qk_l2norm_in_kernel: bool
+    output_final_state: bool
+    key: BatchKey
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+@dataclass
+class PrefillResult:
+    o: torch.Tensor                        # [T, Hv, V] in v's dtype
+    final_state: Optional[torch.Tensor]    # [N, Hv, K, V] float32 (float64 for float64 inputs), or None
+
+
+def state_dtype(qkv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype states travel in: what the reference computes in (and what the kernels require)."""
+    return torch.float64 if qkv_dtype == torch.float64 else torch.float32
+
+
+def prepare_request(tensors: dict, scale: Optional[float], use_qk_l2norm_in_kernel: bool,
+                    output_final_state: bool) -> PrefillRequest:
+    """Check a request with the library's own validation (errors name the field) and build its batch key."""
+    unknown = sorted(set(tensors) - set(TENSOR_LAYOUTS))
+    if unknown:
+        raise InputError(unknown[0], f"unknown tensor {unknown[0]!r}; expected {sorted(TENSOR_LAYOUTS)}")
+    for name in REQUIRED_TENSORS:
+        if tensors.get(name) is None:
+            raise InputError(name, f"{name} {TENSOR_LAYOUTS[name]} is required")
+    for name, x in tensors.items():
+        if x is not None and x.dim() != TENSOR_LAYOUTS[name].count(",") + 1:
+            raise InputError(name, f"{name} must have {TENSOR_LAYOUTS[name].count(',') + 1} dims "
+                                   f"{TENSOR_LAYOUTS[name]}, got shape {tuple(x.shape)}")
+    q, k, v, g, beta, cu = (tensors[n] for n in REQUIRED_TENSORS)
+    h0 = tensors.get("initial_state")
+    try:
+        problem = validate_inputs(q[None], k[None], v[None], g[None], beta[None], scale, h0, cu)
+    except (ValueError, TypeError) as error:
+        raise InputError.from_api_error(error) from error
+    if h0 is not None:  # exact upcast for lower precisions; lets requests with and without states share a launch
+        h0 = h0.to(state_dtype(q.dtype))
+    key = BatchKey(problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
+                   q.dtype, g.dtype, beta.dtype, problem.scale, bool(use_qk_l2norm_in_kernel))
+    return PrefillRequest(q, k, v, g, beta, cu.to(torch.int64), h0, problem.scale,
+                          bool(use_qk_l2norm_in_kernel), bool(output_final_state), key)
