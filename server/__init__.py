@@ -14,6 +14,7 @@ Modules, one job each:
 * :mod:`.auth`      the optional bearer token
 * :mod:`.app`       the FastAPI application
 * :mod:`.cli`       command-line entry point (uvicorn)
+* :mod:`.background` the service on loopback in a background thread (tests, benchmarks)
 """
 from .app import create_app
 from .config import ServiceConfig
