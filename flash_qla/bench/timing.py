@@ -1,0 +1,119 @@
+"""Timers: eager median, CUDA-graph replay median, first call, peak memory.
+
+They mirror ``../shared/peers/peer_bench.py`` so that our numbers and the peers' compare:
+
+* eager: ``triton.testing.do_bench(fn, return_mode="median")`` semantics without needing Triton: one
+  CUDA-event pair around each call, the 256 MB L2 scratch zeroed before each call (so every call
+  starts with a cold L2, as in do_bench), median over calls. On the CPU, ``time.perf_counter``.
+* graph: capture one call after three side-stream warm-ups, then ``rounds`` rounds of ``replays``
+  back-to-back replays, median of the per-replay means (peer_bench.py's 20 x 5).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+GRAPH_REPLAYS = 20
+GRAPH_ROUNDS = 5
+L2_SCRATCH_BYTES = 256 * 1000 * 1000  # do_bench's empty-cache buffer: larger than any Hopper L2
+
+_l2_scratch: Optional[torch.Tensor] = None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flush_l2(device: torch.device) -> None:
+    global _l2_scratch
+    if _l2_scratch is None or _l2_scratch.device != device:
+        _l2_scratch = torch.empty(L2_SCRATCH_BYTES // 4, dtype=torch.int32, device=device)
+    _l2_scratch.zero_()
+
+
+def prepare_device(device: torch.device) -> None:
+    """Allocate the L2 scratch up front so it is not counted in any row's peak memory."""
+    if device.type == "cuda":
+        _flush_l2(device)
+        torch.cuda.synchronize(device)
+
+
+def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call until its device work is done (includes any kernel loading)."""
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def eager_median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median time of one eager call in milliseconds, host launch overhead included."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        _flush_l2(device)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def graph_median_ms(fn: Callable[[], object], device: torch.device, replays: int = GRAPH_REPLAYS,
+                    rounds: int = GRAPH_ROUNDS) -> Tuple[Optional[float], Optional[str]]:
+    """(median per-replay ms, None), or (None, why) when there is no graph: a CPU device, or a call
+    that cannot be captured (e.g. one that reads device values on the host)."""
+    if device.type != "cuda":
+        return None, "no CUDA graphs on the CPU"
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm up off the default stream, as graph capture requires
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        per_replay = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize(device)
+            per_replay.append(start.elapsed_time(end) / replays)
+        return sorted(per_replay)[len(per_replay) // 2], None
+    except Exception as exc:  # capture failed: report it, as peer_bench.py does, instead of a number
+        torch.cuda.synchronize(device)
+        return None, f"graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocated_mb(device: torch.device) -> Optional[float]:
+    return torch.cuda.memory_allocated(device) / 2 ** 20 if device.type == "cuda" else None
+
+
+def peak_mb(device: torch.device) -> Optional[float]:
+    """Peak bytes held by PyTorch's allocator since the last reset (None on the CPU: not tracked)."""
+    return torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda" else None

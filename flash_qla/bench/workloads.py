@@ -1,0 +1,42 @@
+"""The timed calls: what one forward or one backward row runs.
+
+The API is reached through the ``flash_qla`` module attributes at call time, so whichever backend the
+package provides (the reference today, the sm_90a kernels later) is what gets timed, with no change here.
+"""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+
+import flash_qla
+
+from .inputs import BenchInputs
+
+
+def forward_call(x: BenchInputs, backend: str) -> Callable[[], object]:
+    """The user-facing forward, as an inference caller runs it (no autograd bookkeeping)."""
+    def run():
+        with torch.no_grad():
+            return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
+                                                    output_final_state=True, cu_seqlens=x.cu_seqlens,
+                                                    backend=backend)
+    return run
+
+
+def forward_for_backward(x: BenchInputs, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(g_cumsum, A) from the low-level forward: what the backward consumes, made outside its timing."""
+    g_cumsum, A, _o, _h, _final = flash_qla.chunk_gated_delta_rule_fwd(
+        x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,
+        cu_seqlens=x.cu_seqlens, backend=backend)
+    return g_cumsum, A
+
+
+def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backend: str) -> Callable[[], object]:
+    """The low-level backward as peer_bench.py times FlashQLA's: dq, dk, dv, dbeta, dg, dh0 from
+    the saved forward tensors, the output gradient do and the final-state gradient dht."""
+    def run():
+        return flash_qla.chunk_gated_delta_rule_bwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.do, dht=x.dht,
+                                                    scale=x.scale, initial_state=x.h0, cu_seqlens=x.cu_seqlens,
+                                                    backend=backend)
+    return run

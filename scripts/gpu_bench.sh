@@ -1,0 +1,87 @@
+#!/bin/bash
+# On the GPU machine: time flash_qla and then the peer libraries on the standard matrix, in one
+# sequence on one GPU, so every ratio in the report compares numbers from the same card and run.
+#
+# usage (from the repository root):
+#   bash scripts/gpu_bench.sh OUT_DIR [--pass fwd|bwd|both] [--peers "qla fla"|none] [--no-ours]
+#                             [--rows SUBSTRING] [--backend auto|kernels|reference]
+#                             [--warmup N] [--iters N] [--peers-dir .peers] [--report]
+#
+# Writes under OUT_DIR (few files, because a device call brings back at most 8):
+#   ours.jsonl         python -m flash_qla.bench rows (appended per pass)
+#   <peer>.jsonl       ../shared/peers/peer_bench.py rows for each peer (qla, fla)
+#   gpu_bench.log      GPU, driver, versions, and every step's output
+#   BENCHMARKS.md      with --report: the report against the fresh peer runs only
+#
+# Peers need the staged bundle (see ../shared/README.md), e.g. both peers in one call (~54 MB):
+#   bash ../shared/peers/stage.sh .peers qla && cp ../shared/peers/bundle/cache-fla.tar.xz.* .peers/
+# A device call lasts at most 10 minutes and carries at most 64 MiB: split the work with --pass and
+# --peers (and --no-ours) across calls when it does not fit; each call's log names its GPU.
+set -uo pipefail
+
+OUT=${1:?usage: bash scripts/gpu_bench.sh OUT_DIR [options]}; shift
+PASS=both; PEERS="qla fla"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=10; ITERS=100
+PEERS_DIR=.peers; REPORT=0; PYTHON=${PYTHON:-python3}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --pass) PASS=$2; shift 2 ;;
+    --peers) PEERS=$2; shift 2 ;;
+    --no-ours) RUN_OURS=0; shift ;;
+    --rows) ROWS=$2; shift 2 ;;
+    --backend) BACKEND=$2; shift 2 ;;
+    --warmup) WARMUP=$2; shift 2 ;;
+    --iters) ITERS=$2; shift 2 ;;
+    --peers-dir) PEERS_DIR=$2; shift 2 ;;
+    --report) REPORT=1; shift ;;
+    *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+[ "$PEERS" = none ] && PEERS=""
+case "$PASS" in fwd|bwd|both) ;; *) echo "gpu_bench.sh: --pass must be fwd, bwd or both" >&2; exit 2 ;; esac
+
+mkdir -p "$OUT"
+LOG="$OUT/gpu_bench.log"
+export PYTHONUNBUFFERED=1
+status=0
+say() { echo "== $*" | tee -a "$LOG"; }
+
+say "gpu_bench.sh pass=$PASS peers='${PEERS}' ours=$RUN_OURS backend=$BACKEND rows='${ROWS}'"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
+  --format=csv 2>&1 | tee -a "$LOG"
+"$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+  "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")' \
+  2>&1 | tee -a "$LOG"
+
+# Ours first: the process's first row then records the cold start (kernel loading) of a fresh machine.
+if [ "$RUN_OURS" = 1 ]; then
+  say "flash_qla ($PASS)"
+  args=(--pass "$PASS" --backend "$BACKEND" --warmup "$WARMUP" --iters "$ITERS" --out "$OUT/ours.jsonl" --append)
+  [ -n "$ROWS" ] && args+=(--rows "$ROWS")
+  # -m from the repository root runs this checkout's flash_qla; no PYTHONPATH here on purpose, since
+  # the peers' bundle holds FlashQLA under the same import name.
+  "$PYTHON" -m flash_qla.bench "${args[@]}" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "flash_qla.bench exited $rc"; status=1; }
+fi
+
+for lib in $PEERS; do
+  say "peer $lib ($PASS)"
+  if [ ! -f "$PEERS_DIR/run_peers.sh" ]; then
+    say "no $PEERS_DIR/run_peers.sh: stage it with bash ../shared/peers/stage.sh $PEERS_DIR $lib"; status=1; continue
+  fi
+  ls "$PEERS_DIR"/cache-$lib.tar.xz.* >/dev/null 2>&1 \
+    || say "warning: no compile cache for $lib in $PEERS_DIR, expect minutes of JIT"
+  only=(); [ "$PASS" != both ] && only=(--only "$PASS")
+  bash "$PEERS_DIR/run_peers.sh" "$PEERS_DIR" "$lib" "$PEERS_DIR/matrix.json" "$OUT/$lib.jsonl" "${only[@]}" \
+    2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "peer $lib exited $rc"; status=1; }
+done
+
+if [ "$REPORT" = 1 ] && [ -s "$OUT/ours.jsonl" ]; then
+  fresh=(); for lib in $PEERS; do [ -s "$OUT/$lib.jsonl" ] && fresh+=("$OUT/$lib.jsonl"); done
+  say "report"
+  "$PYTHON" -m flash_qla.bench.report --ours "$OUT/ours.jsonl" --peers-fresh "${fresh[@]}" \
+    --out "$OUT/BENCHMARKS.md" 2>&1 | tee -a "$LOG"
+  grep '^\*\*' "$OUT/BENCHMARKS.md" 2>/dev/null
+fi
+say "done, status $status"
+exit $status
