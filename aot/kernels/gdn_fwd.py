@@ -1,0 +1,115 @@
+"""Fused GDN forward: one CTA per (sequence, v-head, V-block) walks its sequence's 64-token chunks.
+
+Per chunk, with the state S (K x BV, fp32, in registers), gamma the chunk-local cumsum of g and A the
+gate-free inverse from gdn_prepare:
+    A_gb = Gamma * A * beta_col                      (gate re-applied elementwise, i >= j only)
+    W    = V - diag(exp(gamma)) K S
+    Vnew = A_gb W                                     (one C x C x BV product)
+    O    = scale * (diag(exp(gamma)) Q S + (Gamma * Q K^T) Vnew)
+    S    = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) Vnew
+Rows past the sequence end are zero (k, v, beta) so they contribute nothing, and their gamma repeats the
+last valid one so the chunk-end decay is right; their outputs are never stored.
+"""
+import tilelang.language as T
+
+C = 64
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+THREADS = 256
+LOG2E = 1.4426950408889634
+
+
+def block_v(V: int) -> int:
+    return min(V, 64)
+
+
+def build(dtype: str, K: int, V: int):
+    dt = DTYPES[dtype]
+    BV = block_v(V)
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def gdn_fwd(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        v: T.Tensor((NT, Hv, V), dt),
+        g_cumsum: T.Tensor((NT, Hv), "float32"),
+        beta: T.Tensor((NT, Hv), "float32"),
+        A: T.Tensor((NT, Hv, C), dt),
+        h0: T.Tensor((N, Hv, K, V), "float32"),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        o: T.Tensor((NT, Hv, V), dt),
+        ht: T.Tensor((N, Hv, K, V), "float32"),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
+            q_s = T.alloc_shared((C, K), dt)
+            k_s = T.alloc_shared((C, K), dt)
+            v_s = T.alloc_shared((C, BV), dt)
+            agb_s = T.alloc_shared((C, C), dt)
+            p_s = T.alloc_shared((C, C), dt)
+            s_s = T.alloc_shared((K, BV), dt)
+            w_s = T.alloc_shared((C, BV), dt)
+            vn_s = T.alloc_shared((C, BV), dt)
+            vd_s = T.alloc_shared((C, BV), dt)
+            g_s = T.alloc_shared((C,), "float32")
+            b_s = T.alloc_shared((C,), "float32")
+            S = T.alloc_fragment((K, BV), "float32")
+            ks = T.alloc_fragment((C, BV), "float32")
+            qs = T.alloc_fragment((C, BV), "float32")
+            vn = T.alloc_fragment((C, BV), "float32")
+            p = T.alloc_fragment((C, C), "float32")
+
+            hk = h // (Hv // Hq)
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            v0 = bv * BV
+            if use_h0 != 0:
+                T.copy(h0[n, h, :, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+            for c in T.serial(T.ceildiv(eos - bos, C)):
+                t0 = bos + c * C
+                for i, d in T.Parallel(C, K):
+                    q_s[i, d] = T.if_then_else(t0 + i < eos, q[t0 + i, hk, d], T.cast(0, dt))
+                    k_s[i, d] = T.if_then_else(t0 + i < eos, k[t0 + i, hk, d], T.cast(0, dt))
+                for i, d in T.Parallel(C, BV):
+                    v_s[i, d] = T.if_then_else(t0 + i < eos, v[t0 + i, h, v0 + d], T.cast(0, dt))
+                for i in T.Parallel(C):
+                    g_s[i] = T.if_then_else(t0 + i < eos, g_cumsum[t0 + i, h], g_cumsum[eos - 1, h])
+                    b_s[i] = T.if_then_else(t0 + i < eos, beta[t0 + i, h], 0.0)
+                T.copy(S, s_s)
+                for i, j in T.Parallel(C, C):
+                    agb_s[i, j] = T.if_then_else(
+                        (i >= j) and (t0 + i < eos),
+                        T.cast(T.cast(A[t0 + i, h, j], "float32") * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j], dt),
+                        T.cast(0, dt))
+                T.gemm(k_s, s_s, ks, clear_accum=True)
+                T.gemm(q_s, s_s, qs, clear_accum=True)
+                T.gemm(q_s, k_s, p, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, BV):
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - T.exp2(g_s[i] * LOG2E) * ks[i, d], dt)
+                for i, j in T.Parallel(C, C):
+                    p_s[i, j] = T.if_then_else(i >= j, T.cast(p[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, dt),
+                                               T.cast(0, dt))
+                T.gemm(agb_s, w_s, vn, clear_accum=True)
+                for i, d in T.Parallel(C, BV):
+                    vn_s[i, d] = T.cast(vn[i, d], dt)
+                    vd_s[i, d] = T.cast(vn[i, d] * T.exp2((g_s[C - 1] - g_s[i]) * LOG2E), dt)
+                    qs[i, d] = qs[i, d] * scale * T.exp2(g_s[i] * LOG2E)
+                T.gemm(p_s, vn_s, qs)
+                for i, d in T.Parallel(C, BV):
+                    if t0 + i < eos:
+                        o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
+                for kk, d in T.Parallel(K, BV):
+                    S[kk, d] = S[kk, d] * T.exp2(g_s[C - 1] * LOG2E)
+                T.gemm(k_s, vd_s, S, transpose_A=True)
+            if store_ht != 0:
+                T.copy(S, ht[n, h, :, v0:v0 + BV])
+
+    return gdn_fwd

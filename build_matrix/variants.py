@@ -1,0 +1,65 @@
+"""The variant matrix: every kernel module under aot/kernels declares its axes in VARIANTS."""
+from __future__ import annotations
+
+import importlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_DIR = ROOT / "aot" / "kernels"
+COMPILER = ROOT / "aot" / "compile.py"
+KERNELS = ("gdn_prepare", "gdn_fwd")
+# a few variants CI can compile in minutes to prove the toolchain path
+SMOKE = {("gdn_prepare", "bf16.K128"), ("gdn_fwd", "bf16.K128.V128")}
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    axes: tuple  # ((name, value), ...) in declaration order
+
+    @property
+    def params(self) -> Dict[str, object]:
+        return dict(self.axes)
+
+    @property
+    def tag(self) -> str:
+        return ".".join(f"{v}" if n == "dtype" else f"{n}{v}" for n, v in self.axes)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}.{self.tag}"
+
+    @property
+    def source_path(self) -> Path:
+        return KERNEL_DIR / f"{self.kernel}.py"
+
+
+def declared_axes(kernel: str) -> Dict[str, list]:
+    """Read VARIANTS from the kernel module's source without importing TileLang."""
+    import ast
+    tree = ast.parse((KERNEL_DIR / f"{kernel}.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "VARIANTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"aot/kernels/{kernel}.py declares no VARIANTS")
+
+
+def all_variants(subset: str = "full") -> List[Variant]:
+    out = []
+    for kernel in KERNELS:
+        axes = declared_axes(kernel)
+        for values in itertools.product(*axes.values()):
+            v = Variant(kernel, tuple(zip(axes.keys(), values)))
+            if subset == "full" or (kernel, v.tag) in SMOKE:
+                out.append(v)
+    if subset not in ("full", "smoke"):
+        raise ValueError(f"unknown subset {subset!r}: choose smoke or full")
+    return out
+
+
+def build_prim_func(v: Variant):
+    module = importlib.import_module(f"aot.kernels.{v.kernel}")
+    return module.build(**v.params)

@@ -1,0 +1,54 @@
+"""build_matrix check: current committed cubins pass; any change to a kernel source makes it fail."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _copy_tree(dst: Path) -> Path:
+    for part in ("aot", "build_matrix"):
+        shutil.copytree(ROOT / part, dst / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "flash_qla" / "_kernels", dst / "flash_qla" / "_kernels")
+    return dst
+
+
+def _check(cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "build_matrix", "check"], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_committed_kernels_are_current():
+    r = _check(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "variants current" in r.stdout
+
+
+def test_changed_kernel_source_fails_check(tmp_path):
+    tree = _copy_tree(tmp_path)
+    src = tree / "aot" / "kernels" / "gdn_fwd.py"
+    src.write_text(src.read_text() + "\n# a change\n")
+    r = _check(tree)
+    assert r.returncode == 1
+    assert "gdn_fwd.bf16.K128.V128: stale" in r.stdout
+    assert "gdn_prepare.bf16.K128" not in r.stdout  # other kernels stay current
+
+
+def test_changed_compiler_or_missing_cubin_fails_check(tmp_path):
+    tree = _copy_tree(tmp_path)
+    (tree / "flash_qla" / "_kernels" / "sm90a" / "gdn_prepare.fp16.K64.cubin.xz").unlink()
+    r = _check(tree)
+    assert r.returncode == 1 and "gdn_prepare.fp16.K64: cannot read" in r.stdout
+    comp = tree / "aot" / "compile.py"
+    comp.write_text(comp.read_text() + "\n# a change\n")
+    r = _check(tree)
+    assert r.stdout.count("stale") == 16
+
+
+def test_check_never_imports_tilelang(tmp_path):
+    code = ("import sys, runpy; sys.argv=['build_matrix','check']; "
+            "import build_matrix.check as c; c.problems(); "
+            "assert 'tilelang' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
