@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU-machine validation in one call: proves the cubins run with TileLang absent, runs the gpu-marked
+# tests, compute-sanitizer memcheck + racecheck on a small varlen case, and the launch host cost.
+# usage: bash scripts/gpu_validate.sh OUT_DIR   (expects flash_qla/_launcher*.so built or carried)
+set -uo pipefail
+OUT=${1:?output dir}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="$OUT/gpu_validate.log"
+{
+  echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+  python3 -c "import tilelang" 2>/dev/null && { echo "FAIL: tilelang is importable here"; exit 1; } || echo "tilelang: not importable (as intended)"
+  python3 -m flash_qla info
+  echo "== gpu tests"
+  python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40
+  echo "== compute-sanitizer memcheck"
+  compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py 2>&1 | tail -6
+  echo "== compute-sanitizer racecheck"
+  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py 2>&1 | tail -6
+  echo "== launch overhead"
+  if [ -f scripts/launch_overhead.py ]; then python3 scripts/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tail -20; fi
+} 2>&1 | tee "$LOG"

@@ -1,0 +1,18 @@
+"""A small varlen forward case for compute-sanitizer (memcheck / racecheck) on the GPU machine."""
+import torch
+
+import flash_qla
+
+torch.manual_seed(0)
+lengths = [1, 63, 64, 65, 130]
+T, hq, hv, K, V = sum(lengths), 2, 4, 128, 128
+cu = torch.tensor([0, 1, 64, 128, 193, 323], dtype=torch.int32, device="cuda")
+q = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16()
+k = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16()
+v = torch.randn(1, T, hv, V, device="cuda").bfloat16()
+g = -torch.rand(1, T, hv, device="cuda")
+beta = torch.rand(1, T, hv, device="cuda")
+h0 = torch.randn(len(lengths), hv, K, V, device="cuda")
+o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+torch.cuda.synchronize()
+print("sanitize case ok", float(o.float().abs().sum()), float(ht.abs().sum()))
