@@ -19,6 +19,7 @@ from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
+FWD_KERNEL = "gdn_fwd"  # the fused forward family in the manifest
 # Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
 POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
 _DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,7 +81,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, sizes,
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(), "cu_seqlens": cu.data_ptr(),
              "chunk_offsets": offsets.data_ptr(), "A": A.data_ptr(), "g_cumsum": g_cumsum.data_ptr()})
-    _launch("gdn_fwd", {"dtype": tag, "K": K, "V": V}, dev,
+    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V}, dev,
             dict(sizes, scale=problem.scale, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "g_cumsum": g_cumsum.data_ptr(),
              "beta": bp.data_ptr(), "A": A.data_ptr(),

@@ -38,7 +38,7 @@ def draw(lengths, hq, hv, K, V, dtype, seed, h0=True):
 
 
 def fp64_reference(x):
-    d = {n: (t.double() if t is not None and t.is_floating_point() else t) for n, t in x.items()}
+    d = {n: (t.double() if t is not None else None) for n, t in x.items() if n != "cu_seqlens"}
     return reference.chunked_gated_delta_rule(**d, output_final_state=True, cu_seqlens=x["cu_seqlens"].cpu())
 
 

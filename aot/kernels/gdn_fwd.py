@@ -7,8 +7,10 @@ gate-free inverse from gdn_prepare:
     Vnew = A_gb W                                     (one C x C x BV product)
     O    = scale * (diag(exp(gamma)) Q S + (Gamma * Q K^T) Vnew)
     S    = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) Vnew
-Rows past the sequence end are zero (k, v, beta) so they contribute nothing, and their gamma repeats the
-last valid one so the chunk-end decay is right; their outputs are never stored.
+Rows past the sequence end are masked wherever they could contribute (A rows, the causal masks, the
+decayed Vnew), the chunk-end decay is the last valid row's gamma, and their outputs are never stored.
+q, k, v and A tiles arrive by TMA in a 2-stage software pipeline (TileLang warp-specialises the loop:
+a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
 """
 import tilelang.language as T
 
@@ -16,6 +18,7 @@ C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
+STAGES = 2
 LOG2E = 1.4426950408889634
 
 
@@ -51,6 +54,7 @@ def build(dtype: str, K: int, V: int):
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             v_s = T.alloc_shared((C, BV), dt)
+            a_s = T.alloc_shared((C, C), dt)
             agb_s = T.alloc_shared((C, C), dt)
             p_s = T.alloc_shared((C, C), dt)
             s_s = T.alloc_shared((K, BV), dt)
@@ -73,21 +77,24 @@ def build(dtype: str, K: int, V: int):
                 T.copy(h0[n, h, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
-            for c in T.serial(T.ceildiv(eos - bos, C)):
+            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
                 t0 = bos + c * C
-                for i, d in T.Parallel(C, K):
-                    q_s[i, d] = T.if_then_else(t0 + i < eos, q[t0 + i, hk, d], T.cast(0, dt))
-                    k_s[i, d] = T.if_then_else(t0 + i < eos, k[t0 + i, hk, d], T.cast(0, dt))
-                for i, d in T.Parallel(C, BV):
-                    v_s[i, d] = T.if_then_else(t0 + i < eos, v[t0 + i, h, v0 + d], T.cast(0, dt))
-                for i in T.Parallel(C):
-                    g_s[i] = T.if_then_else(t0 + i < eos, g_cumsum[t0 + i, h], g_cumsum[eos - 1, h])
-                    b_s[i] = T.if_then_else(t0 + i < eos, beta[t0 + i, h], 0.0)
+                # Rows past the sequence end hold the next sequence's tokens (or TMA's zero fill past T).
+                # Every tile, g and beta included, goes through the pipelined copies (consumer-written
+                # single buffers race with the prefetch); padded rows are masked where they are used.
+                T.copy(q[t0:t0 + C, hk, :], q_s)
+                T.copy(k[t0:t0 + C, hk, :], k_s)
+                T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
+                T.copy(A[t0:t0 + C, h, :], a_s)
+                T.copy(g_cumsum[t0:t0 + C, h], g_s)
+                T.copy(beta[t0:t0 + C, h], b_s)
+                valid = T.min(eos - t0, C)
+                g_last = g_s[valid - 1]
                 T.copy(S, s_s)
                 for i, j in T.Parallel(C, C):
                     agb_s[i, j] = T.if_then_else(
-                        (i >= j) and (t0 + i < eos),
-                        T.cast(T.cast(A[t0 + i, h, j], "float32") * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j], dt),
+                        (i >= j) and (i < valid),
+                        T.cast(T.cast(a_s[i, j], "float32") * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j], dt),
                         T.cast(0, dt))
                 T.gemm(k_s, s_s, ks, clear_accum=True)
                 T.gemm(q_s, s_s, qs, clear_accum=True)
@@ -95,19 +102,20 @@ def build(dtype: str, K: int, V: int):
                 for i, d in T.Parallel(C, BV):
                     w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - T.exp2(g_s[i] * LOG2E) * ks[i, d], dt)
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(i >= j, T.cast(p[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, dt),
+                    p_s[i, j] = T.if_then_else((i >= j) and (i < valid), T.cast(p[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, dt),
                                                T.cast(0, dt))
                 T.gemm(agb_s, w_s, vn, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     vn_s[i, d] = T.cast(vn[i, d], dt)
-                    vd_s[i, d] = T.cast(vn[i, d] * T.exp2((g_s[C - 1] - g_s[i]) * LOG2E), dt)
+                    vd_s[i, d] = T.if_then_else(i < valid, T.cast(vn[i, d] * T.exp2((g_last - g_s[i]) * LOG2E), dt),
+                                                T.cast(0, dt))
                     qs[i, d] = qs[i, d] * scale * T.exp2(g_s[i] * LOG2E)
                 T.gemm(p_s, vn_s, qs)
                 for i, d in T.Parallel(C, BV):
-                    if t0 + i < eos:
+                    if i < valid:
                         o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
                 for kk, d in T.Parallel(K, BV):
-                    S[kk, d] = S[kk, d] * T.exp2(g_s[C - 1] * LOG2E)
+                    S[kk, d] = S[kk, d] * T.exp2(g_last * LOG2E)
                 T.gemm(k_s, vd_s, S, transpose_A=True)
             if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])
