@@ -19,6 +19,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERE
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${REPLAY_WORK:-/tmp/flash_qla_replay_runtime}"
 PY="${PYTHON:-python3}"
+# The runtime venv's interpreter must be readable by the unprivileged uid the server drops to (the image's
+# /usr/local/bin/python3.12 is); a pyenv interpreter under /root is not, so prefer the system one when root.
+if [ -z "${RUNTIME_PYTHON:-}" ] && [ "$(id -u)" -eq 0 ] && /usr/bin/python3 -c "import venv, ensurepip" 2>/dev/null; then
+  RUNTIME_PYTHON=/usr/bin/python3
+fi
+RPY="${RUNTIME_PYTHON:-$PY}"
 TORCH_SPEC="${REPLAY_TORCH:-torch==2.13.0}"
 HEALTH_TIMEOUT_S="${HEALTH_TIMEOUT_S:-60}"
 T0=$SECONDS
@@ -56,18 +62,18 @@ wheels=("$WORK"/dist/flash_qla_aot-*.whl)
 WHEEL="${wheels[0]}"
 echo "wheel: $(basename "$WHEEL")  $(stat -c %s "$WHEEL") bytes"
 
-step "runtime stage: clean venv + $TORCH_SPEC"
-"$PY" -m venv "$WORK/venv"
+step "runtime stage: clean venv ($("$RPY" -c 'import sys; print(sys.executable, sys.version.split()[0])')) + $TORCH_SPEC"
+"$RPY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 grep -q '^include-system-site-packages = false' "$WORK/venv/pyvenv.cfg" || fail "venv sees system site-packages"
-timeout 900 "$VPY" -m pip install -q --only-binary=:all: "$TORCH_SPEC"
+timeout 900 "$VPY" -m pip install -q --only-binary=:all: "$TORCH_SPEC" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
 
 step "runtime stage: pip install wheel[server] with no compiler reachable"
 timeout 600 env -i HOME="$HOME" PATH="$WORK/venv/bin" CC=false CXX=false PIP_DISABLE_PIP_VERSION_CHECK=1 \
   ${PIP_FIND_LINKS:+PIP_FIND_LINKS="$PIP_FIND_LINKS"} ${PIP_CERT:+PIP_CERT="$PIP_CERT"} \
-  "$VPY" -m pip install -q --only-binary=:all: "$WHEEL[server]"
+  "$VPY" -m pip install -q --only-binary=:all: "$WHEEL[server]" 2>&1 | { grep -v 'is ignored: it is neither' || true; }
 "$VPY" -m pip list 2>/dev/null | grep -i -E '^(flash-qla-aot|torch|fastapi|uvicorn|tilelang) '
-if env PATH="$WORK/venv/bin" bash -c 'command -v gcc || command -v cc || command -v nvcc'; then
+if env PATH="$WORK/venv/bin" /bin/bash -c 'command -v gcc || command -v cc || command -v nvcc'; then
   fail "a compiler is reachable on the runtime PATH"
 fi
 "$VPY" -c "import tilelang" 2>/dev/null && fail "tilelang importable in the runtime venv"
@@ -81,15 +87,15 @@ chmod -R a+rX "$WORK"
 
 # USER 10001: drop root if we are root (setpriv), else run as whoever runs this script.
 RUNAS=()
-if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null; then
-  RUNAS=(setpriv --reuid=65534 --regid=65534 --clear-groups --)
+if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null && [ "$RPY" != "$PY" ]; then
+  RUNAS=("$(command -v setpriv)" --reuid=65534 --regid=65534 --clear-groups --)
   echo "server runs as uid 65534 (non-root), like the image's USER 10001"
 fi
 
 PORT="$("$VPY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
 step "start: python -m server --backend reference --host 127.0.0.1 --port $PORT"
-(cd "$WORK/app" && exec env -i HOME=/tmp PATH="$WORK/venv/bin" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-   "${RUNAS[@]}" "$VPY" -m server --backend reference --host 127.0.0.1 --port "$PORT" --log-level info) \
+(cd "$WORK/app" && exec "${RUNAS[@]}" /usr/bin/env -i HOME=/tmp PATH="$WORK/venv/bin" PYTHONUNBUFFERED=1 \
+   PYTHONDONTWRITEBYTECODE=1 "$VPY" -m server --backend reference --host 127.0.0.1 --port "$PORT" --log-level info) \
    > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 echo "server pid $SERVER_PID"
@@ -115,6 +121,10 @@ while True:
         sys.exit(f"FAIL: /health did not return 200 within {limit} s")
     time.sleep(0.25)
 EOF
+
+uid="$(ps -o uid= -p "$SERVER_PID" | tr -d ' ')"
+echo "server process uid: $uid"
+[ "${#RUNAS[@]}" -eq 0 ] || [ "$uid" != 0 ] || fail "server runs as root"
 
 step "the Dockerfile's HEALTHCHECK command, verbatim but for the port"
 "$VPY" - "$REPO/Dockerfile" "$PORT" "$VPY" <<'EOF'
