@@ -53,10 +53,8 @@ RUN set -eu; whl="$(ls /tmp/wheels/flash_qla_aot-*.whl)"; \
     if command -v gcc || command -v cc || command -v nvcc; then echo "a compiler is in the runtime image" >&2; exit 1; fi; \
     groupadd --system --gid 10001 flashqla; \
     useradd --system --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin flashqla
-# The service package (server/) is copied beside the installed wheel until the wheel carries it
-# (see docs/install.md); read-only for the service user.
+# The wheel carries the service package (server/) and the flash-qla-serve console script.
 WORKDIR /app
-COPY server ./server
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \

@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
+import flash_qla
 from prometheus_client.parser import text_string_to_metric_families
 
 from flash_qla.reference import recurrent_gated_delta_rule, relative_l2
@@ -471,5 +473,6 @@ def test_probe_reports_kernels_that_do_not_load(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setitem(sys.modules, "flash_qla.ops", None)  # import fails as if the library were missing
+    monkeypatch.delattr(flash_qla, "ops", raising=False)     # ...even when another test imported it already
     verdict = readiness.probe("kernels")
     assert not verdict.ready and verdict.reason == "kernels_unavailable"
