@@ -59,7 +59,8 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 
 
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
-    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, g_cumsum [B,T,Hv], A [B,T,Hv,64])."""
+    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, (gamma in chunk slots [Hv, slots*64],
+    cu_seqlens, chunk_offsets), A [B,T,Hv,64])."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -72,23 +73,38 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     bp = _packed(beta.float())
     cu, offsets = _offsets(problem, cu_seqlens, dev)
     A = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
-    g_cumsum = _empty(T, Hv, device=dev, dtype=torch.float32)
+    # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
+    # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
+    TC = (-(-T // CHUNK) + N) * CHUNK
+    g_cumsum_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
+    beta_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else A.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    sizes = {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N}
+    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N}
     tag = _DTYPE_TAG[dt]
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, sizes,
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "A": A.data_ptr(), "g_cumsum": g_cumsum.data_ptr()})
+             "chunk_offsets": offsets.data_ptr(), "A": A.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
+             "beta_t": beta_t.data_ptr()})
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V}, dev,
             dict(sizes, scale=problem.scale, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "g_cumsum": g_cumsum.data_ptr(),
-             "beta": bp.data_ptr(), "A": A.data_ptr(),
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
+             "beta_t": beta_t.data_ptr(), "A": A.data_ptr(),
              "h0": (h0 if h0 is not None else ht).data_ptr(), "cu_seqlens": cu.data_ptr(),
+             "chunk_offsets": offsets.data_ptr(),
              "o": o.data_ptr(), "ht": ht.data_ptr()})
     shape = (problem.batch, problem.tokens)
-    return o.view(*shape, Hv, V), ht, g_cumsum.view(*shape, Hv), A.view(*shape, Hv, CHUNK)
+    return o.view(*shape, Hv, V), ht, (g_cumsum_t, cu, offsets), A.view(*shape, Hv, CHUNK)
+
+
+def tokens_from_chunk_slots(slots: torch.Tensor, cu: torch.Tensor, offsets: torch.Tensor, shape) -> torch.Tensor:
+    """[Hv, slots*64] chunk-aligned values -> [B, T, Hv] token order, on the device without a host sync."""
+    T = shape[0] * shape[1]
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=T)
+    pos = offsets[seq].long() * CHUNK + torch.arange(T, device=cu.device) - cu[seq].long()
+    return slots[:, pos].t().unflatten(0, shape)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -119,8 +135,9 @@ def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_fina
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
-    o, ht, g_cumsum, A = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                                 use_qk_l2norm_in_kernel)
+    o, ht, (g_slots, cu, offsets), A = forward(problem, q, k, v, g, beta, initial_state, output_final_state,
+                                               cu_seqlens, use_qk_l2norm_in_kernel)
+    g_cumsum = tokens_from_chunk_slots(g_slots, cu, offsets, (problem.batch, problem.tokens))
     return g_cumsum, A, o, None, (ht if output_final_state else None)
 
 

@@ -33,17 +33,19 @@ def build(dtype: str, K: int, V: int):
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
+    TC = T.dynamic("TC")  # chunk slots x 64 of gdn_prepare's chunk-aligned gamma/beta
 
     @T.prim_func
     def gdn_fwd(
         q: T.Tensor((NT, Hq, K), dt),
         k: T.Tensor((NT, Hq, K), dt),
         v: T.Tensor((NT, Hv, V), dt),
-        g_cumsum: T.Tensor((NT, Hv), "float32"),
-        beta: T.Tensor((NT, Hv), "float32"),
+        g_cumsum_t: T.Tensor((Hv, TC), "float32"),
+        beta_t: T.Tensor((Hv, TC), "float32"),
         A: T.Tensor((NT, Hv, C), dt),
         h0: T.Tensor((N, Hv, K, V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
         o: T.Tensor((NT, Hv, V), dt),
         ht: T.Tensor((N, Hv, K, V), "float32"),
         scale: T.float32,
@@ -69,9 +71,13 @@ def build(dtype: str, K: int, V: int):
             vn = T.alloc_fragment((C, BV), "float32")
             p = T.alloc_fragment((C, C), "float32")
 
-            hk = h // (Hv // Hq)
-            bos = cu_seqlens[n]
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            slot0 = T.alloc_var("int32")
+            bos = cu_seqlens[n]          # held in registers: an inlined global read would repeat per chunk
             eos = cu_seqlens[n + 1]
+            slot0 = chunk_offsets[n] * C
+            hk = h // (Hv // Hq)
             v0 = bv * BV
             if use_h0 != 0:
                 T.copy(h0[n, h, :, v0:v0 + BV], S)
@@ -86,8 +92,8 @@ def build(dtype: str, K: int, V: int):
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(A[t0:t0 + C, h, :], a_s)
-                T.copy(g_cumsum[t0:t0 + C, h], g_s)
-                T.copy(beta[t0:t0 + C, h], b_s)
+                T.copy(g_cumsum_t[h, slot0 + c * C:slot0 + c * C + C], g_s)
+                T.copy(beta_t[h, slot0 + c * C:slot0 + c * C + C], b_s)
                 valid = T.min(eos - t0, C)
                 g_last = g_s[valid - 1]
                 T.copy(S, s_s)
@@ -100,7 +106,10 @@ def build(dtype: str, K: int, V: int):
                 T.gemm(q_s, s_s, qs, clear_accum=True)
                 T.gemm(q_s, k_s, p, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
-                    w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - T.exp2(g_s[i] * LOG2E) * ks[i, d], dt)
+                    # padded rows zeroed: their gamma may be uninitialised, and 0 * NaN in Vnew = A_gb W is NaN
+                    w_s[i, d] = T.if_then_else(
+                        i < valid, T.cast(T.cast(v_s[i, d], "float32") - T.exp2(g_s[i] * LOG2E) * ks[i, d], dt),
+                        T.cast(0, dt))
                 for i, j in T.Parallel(C, C):
                     p_s[i, j] = T.if_then_else((i >= j) and (i < valid), T.cast(p[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, dt),
                                                T.cast(0, dt))
