@@ -12,7 +12,7 @@ KERNEL_DIR = ROOT / "aot" / "kernels"
 COMPILER = ROOT / "aot" / "compile.py"
 KERNELS = ("gdn_prepare", "gdn_fwd")
 # a few variants CI can compile in minutes to prove the toolchain path
-SMOKE = {("gdn_prepare", "bf16.K128"), ("gdn_fwd", "bf16.K128.V128")}
+SMOKE = {("gdn_prepare", "bf16.K128"), ("gdn_fwd", "bf16.K128.V128.BV64")}
 
 
 @dataclass(frozen=True)
@@ -37,22 +37,37 @@ class Variant:
         return KERNEL_DIR / f"{self.kernel}.py"
 
 
-def declared_axes(kernel: str) -> Dict[str, list]:
-    """Read VARIANTS from the kernel module's source without importing TileLang."""
+def _module_constant(kernel: str, name: str):
+    """A literal module-level constant of a kernel module, read without importing TileLang."""
     import ast
     tree = ast.parse((KERNEL_DIR / f"{kernel}.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "VARIANTS" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise LookupError(f"aot/kernels/{kernel}.py declares no VARIANTS")
+    return None
+
+
+def declared_axes(kernel: str) -> Dict[str, list]:
+    axes = _module_constant(kernel, "VARIANTS")
+    if axes is None:
+        raise LookupError(f"aot/kernels/{kernel}.py declares no VARIANTS")
+    return axes
+
+
+def _allowed(rule, params: Dict[str, object]) -> bool:
+    """VARIANT_RULE: an optional boolean expression over the axes (e.g. "BV <= V")."""
+    return rule is None or bool(eval(compile(rule, "VARIANT_RULE", "eval"), {"__builtins__": {}}, dict(params)))
 
 
 def all_variants(subset: str = "full") -> List[Variant]:
     out = []
     for kernel in KERNELS:
         axes = declared_axes(kernel)
+        rule = _module_constant(kernel, "VARIANT_RULE")
         for values in itertools.product(*axes.values()):
             v = Variant(kernel, tuple(zip(axes.keys(), values)))
+            if not _allowed(rule, v.params):
+                continue
             if subset == "full" or (kernel, v.tag) in SMOKE:
                 out.append(v)
     if subset not in ("full", "smoke"):

@@ -15,18 +15,31 @@ from typing import Optional, Tuple
 import torch
 
 from . import loader
+from .planner import plan_block_v
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
 FWD_KERNEL = "gdn_fwd"  # the fused forward family in the manifest
+FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block to cover every built variant
+_SMS: dict = {}
 # Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
 POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
 _DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def supported_head_dims() -> set:
-    return {(v["K"], v["V"]) for v in loader.library().variants("gdn_fwd")}
+    return {(v["K"], v["V"]) for v in loader.library().variants(FWD_KERNEL)}
+
+
+def _block_v(problem: Problem, tag: str, device: torch.device) -> int:
+    if FORCE_BLOCK_V is not None:
+        return FORCE_BLOCK_V
+    built = [v["BV"] for v in loader.library().variants(FWD_KERNEL)
+             if (v["dtype"], v["K"], v["V"]) == (tag, problem.head_dim_k, problem.head_dim_v)]
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return plan_block_v(problem.num_seqs, problem.num_v_heads, problem.head_dim_v, built, _SMS[device.index])
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +100,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(), "cu_seqlens": cu.data_ptr(),
              "chunk_offsets": offsets.data_ptr(), "A": A.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
              "beta_t": beta_t.data_ptr()})
-    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V}, dev,
+    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}, dev,
             dict(sizes, scale=problem.scale, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
              "beta_t": beta_t.data_ptr(), "A": A.data_ptr(),

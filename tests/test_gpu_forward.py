@@ -43,7 +43,7 @@ def fp64_reference(x):
 
 
 def variants():
-    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants("gdn_fwd")})
+    return sorted({(v["dtype"], v["K"], v["V"], v["BV"]) for v in flash_qla.loader.library().variants("gdn_fwd")})
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +53,9 @@ def poison(monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(LENGTHS))
 @pytest.mark.parametrize("variant", variants())
-def test_forward_matches_fp64_reference(variant, case):
-    tag, K, V = variant
+def test_forward_matches_fp64_reference(variant, case, monkeypatch):
+    tag, K, V, BV = variant
+    monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     for (hq, hv), h0 in (((2, 6), True), ((3, 3), False)):
         x = draw(LENGTHS[case], hq, hv, K, V, dtype, seed=K + V + hv + len(case), h0=h0)
