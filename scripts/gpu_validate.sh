@@ -18,5 +18,5 @@ LOG="$OUT/gpu_validate.log"
   echo "== compute-sanitizer racecheck"
   compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py 2>&1 | tail -6
   echo "== launch overhead"
-  if [ -f scripts/launch_overhead.py ]; then python3 scripts/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tail -20; fi
+  if [ -f scripts/launch_overhead.py ]; then python3 scripts/launch_overhead.py --size TC=128 --out "$OUT/launch_overhead.json" 2>&1 | tail -20; fi
 } 2>&1 | tee "$LOG"
