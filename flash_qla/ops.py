@@ -1,9 +1,10 @@
 """The sm_90a kernel path behind the public API: packing, launches, the torch custom op.
 
 Every call is turned into one packed varlen problem (a dense batch B x T becomes B sequences of T
-tokens), then two launches on the caller's stream:
-  gdn_prepare  chunk-local cumsum of g and the gate-free inverse A, per (chunk, v-head),
-  gdn_fwd      the fused recurrence, per (sequence, v-head, V-block).
+tokens), then three launches on the caller's stream:
+  gdn_prepare  per (chunk, v-head): gamma, the gate-free inverse and Agb = Gamma * A * beta, exp factors,
+  gdn_qk       per (chunk, q/k head): P = scale * Gamma * tril(Q K^T), Q K^T shared by the GVA group,
+  gdn_fwd      per (sequence, v-head, V-block): the state recurrence.
 Nothing is read back to the host: chunk offsets are computed on the device, so a call can be captured
 in a CUDA graph.
 """
@@ -71,9 +72,9 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
     kernel.launch(device.index, stream, sizes, pointers)
 
 
-def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
-    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, (gamma in chunk slots [Hv, slots*64],
-    cu_seqlens, chunk_offsets), A [B,T,Hv,64])."""
+def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+            want_gate_free_inverse: bool = False):
+    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets))."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -85,39 +86,49 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     gp = _packed(g)
     bp = _packed(beta.float())
     cu, offsets = _offsets(problem, cu_seqlens, dev)
-    A = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
+    agb = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
+    pqk = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
+    A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
-    g_cumsum_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
-    beta_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
+    eg_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
+    et_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
+    gam_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
-    ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else A.new_empty(0)
+    ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N}
+    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     tag = _DTYPE_TAG[dt]
-    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, sizes,
-            {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "A": A.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
-             "beta_t": beta_t.data_ptr()})
+    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None)),
+            {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
+             "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
+             "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(),
+             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr()})
+    _launch("gdn_qk", {"dtype": tag, "K": K}, dev, sizes,
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "gam_t": gam_t.data_ptr(), "cu_seqlens": cu.data_ptr(),
+             "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()})
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}, dev,
-            dict(sizes, scale=problem.scale, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "g_cumsum_t": g_cumsum_t.data_ptr(),
-             "beta_t": beta_t.data_ptr(), "A": A.data_ptr(),
-             "h0": (h0 if h0 is not None else ht).data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(),
-             "o": o.data_ptr(), "ht": ht.data_ptr()})
+            dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
+             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
+             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
+             "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()})
     shape = (problem.batch, problem.tokens)
-    return o.view(*shape, Hv, V), ht, (g_cumsum_t, cu, offsets), A.view(*shape, Hv, CHUNK)
+    A = A.view(*shape, Hv, CHUNK) if A is not None else None
+    return o.view(*shape, Hv, V), ht, A, (cu, offsets)
 
 
-def tokens_from_chunk_slots(slots: torch.Tensor, cu: torch.Tensor, offsets: torch.Tensor, shape) -> torch.Tensor:
-    """[Hv, slots*64] chunk-aligned values -> [B, T, Hv] token order, on the device without a host sync."""
-    T = shape[0] * shape[1]
+def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:
+    """Chunk-local cumsum of g [T, Hv] on the device (float64 running sum, no host sync) -> [B, T, Hv] fp32."""
+    T = g_packed.shape[0]
     lens = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=T)
-    pos = offsets[seq].long() * CHUNK + torch.arange(T, device=cu.device) - cu[seq].long()
-    return slots[:, pos].t().unflatten(0, shape)
+    t = torch.arange(T, device=cu.device)
+    start = cu[seq].long() + torch.div(t - cu[seq].long(), CHUNK, rounding_mode="floor") * CHUNK
+    cs = torch.cat([g_packed.new_zeros(1, g_packed.shape[1], dtype=torch.float64),
+                    torch.cumsum(g_packed.double(), dim=0)])
+    return (cs[t + 1] - cs[start]).float().unflatten(0, shape)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -148,9 +159,9 @@ def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_fina
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
-    o, ht, (g_slots, cu, offsets), A = forward(problem, q, k, v, g, beta, initial_state, output_final_state,
-                                               cu_seqlens, use_qk_l2norm_in_kernel)
-    g_cumsum = tokens_from_chunk_slots(g_slots, cu, offsets, (problem.batch, problem.tokens))
+    o, ht, A, (cu, _) = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                use_qk_l2norm_in_kernel, want_gate_free_inverse=True)
+    g_cumsum = chunk_local_cumsum(_packed(g), cu, (problem.batch, problem.tokens))
     return g_cumsum, A, o, None, (ht if output_final_state else None)
 
 

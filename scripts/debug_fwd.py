@@ -23,9 +23,9 @@ def case(lengths, hq, hv, K=128, V=128, h0=True, seed=0, strong=True):
 
 def run(name, x):
     p = validate_inputs(**x)
-    o, ht, slots, A = ops.forward(p, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], True,
-                                  x["cu_seqlens"], False)
-    gc = ops.tokens_from_chunk_slots(*slots, (1, x["q"].shape[1]))
+    o, ht, A, (cu_dev, _) = ops.forward(p, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], True,
+                                        x["cu_seqlens"], False, want_gate_free_inverse=True)
+    gc = ops.chunk_local_cumsum(x["g"][0], cu_dev, (1, x["q"].shape[1]))
     torch.cuda.synchronize()
     cu = x["cu_seqlens"].cpu()
     d = {n: (t.double() if t is not None else None) for n, t in x.items() if n != "cu_seqlens"}

@@ -102,3 +102,15 @@ def test_unsupported_head_dims_are_named():
     x = draw([10], 1, 1, 96, 96, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match=r"\(K=96, V=96\) are not built for sm_90a; supported: .*\(K=128, V=128\)"):
         flash_qla.chunk_gated_delta_rule(**x)
+
+
+def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum():
+    x = draw(LENGTHS["mixed"], 2, 4, 128, 128, torch.bfloat16, seed=17)
+    g_cumsum, A, o, h, ht = flash_qla.chunk_gated_delta_rule_fwd(**x, output_final_state=True)
+    cu = x["cu_seqlens"].cpu()
+    assert h is None and A.dtype == torch.bfloat16 and g_cumsum.dtype == torch.float32
+    assert reference.relative_l2(g_cumsum, reference.chunk_local_cumsum(x["g"].double(), cu)) < 1e-6
+    A_ref = reference.gate_free_inverse(x["k"].double(), x["beta"].double(), cu, num_v_heads=4)
+    assert reference.relative_l2(A, A_ref) < 1e-2
+    o2, ht2 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)

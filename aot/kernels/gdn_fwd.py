@@ -1,16 +1,16 @@
-"""Fused GDN forward: one CTA per (sequence, v-head, V-block) walks its sequence's 64-token chunks.
+"""Fused GDN forward recurrence: one CTA per (sequence, v-head, V-block) walks its sequence's chunks.
 
-Per chunk, with the state S (K x BV, fp32, in registers), gamma the chunk-local cumsum of g and A the
-gate-free inverse from gdn_prepare:
-    A_gb = Gamma * A * beta_col                      (gate re-applied elementwise, i >= j only)
-    W    = V - diag(exp(gamma)) K S
-    Vnew = A_gb W                                     (one C x C x BV product)
-    O    = scale * (diag(exp(gamma)) Q S + (Gamma * Q K^T) Vnew)
-    S    = exp(gamma_last) S + K^T diag(exp(gamma_last - gamma)) Vnew
-Rows past the sequence end are masked wherever they could contribute (A rows, the causal masks, the
-decayed Vnew), the chunk-end decay is the last valid row's gamma, and their outputs are never stored.
-q, k, v and A tiles arrive by TMA in a 2-stage software pipeline (TileLang warp-specialises the loop:
-a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
+gdn_prepare has done everything that depends on neither V nor the state (Agb = Gamma * A * beta_col,
+P = scale * Gamma * tril(Q K^T), eg = exp(gamma), et = exp(gamma_last - gamma)), so per chunk only the
+state-dependent chain remains, with S (K x BV, fp32) in registers:
+    W    = V - diag(eg) K S
+    Vnew = Agb W                                      (one C x C x BV product)
+    O    = scale * diag(eg) Q S + P Vnew
+    S    = eg_last S + K^T diag(et) Vnew
+Every tile (q, k, v, Agb, P, eg, et) arrives by TMA in a 2-stage software pipeline (TileLang warp-
+specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
+Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
+outputs are not stored. eg_last is the last valid row's.
 """
 import tilelang.language as T
 
@@ -22,7 +22,6 @@ VARIANT_RULE = "BV <= V"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
-LOG2E = 1.4426950408889634
 
 
 def build(dtype: str, K: int, V: int, BV: int):
@@ -31,16 +30,17 @@ def build(dtype: str, K: int, V: int, BV: int):
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
-    TC = T.dynamic("TC")  # chunk slots x 64 of gdn_prepare's chunk-aligned gamma/beta
+    TC = T.dynamic("TC")  # chunk slots x 64 of gdn_prepare's eg / et tiles
 
     @T.prim_func
     def gdn_fwd(
         q: T.Tensor((NT, Hq, K), dt),
         k: T.Tensor((NT, Hq, K), dt),
         v: T.Tensor((NT, Hv, V), dt),
-        g_cumsum_t: T.Tensor((Hv, TC), "float32"),
-        beta_t: T.Tensor((Hv, TC), "float32"),
-        A: T.Tensor((NT, Hv, C), dt),
+        agb: T.Tensor((NT, Hv, C), dt),
+        p: T.Tensor((NT, Hv, C), dt),
+        eg_t: T.Tensor((Hv, TC), "float32"),
+        et_t: T.Tensor((Hv, TC), "float32"),
         h0: T.Tensor((N, Hv, K, V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
@@ -54,24 +54,22 @@ def build(dtype: str, K: int, V: int, BV: int):
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             v_s = T.alloc_shared((C, BV), dt)
-            a_s = T.alloc_shared((C, C), dt)
             agb_s = T.alloc_shared((C, C), dt)
             p_s = T.alloc_shared((C, C), dt)
             s_s = T.alloc_shared((K, BV), dt)
             w_s = T.alloc_shared((C, BV), dt)
             vn_s = T.alloc_shared((C, BV), dt)
             vd_s = T.alloc_shared((C, BV), dt)
-            g_s = T.alloc_shared((C,), "float32")
-            b_s = T.alloc_shared((C,), "float32")
+            eg_s = T.alloc_shared((C,), "float32")
+            et_s = T.alloc_shared((C,), "float32")
             S = T.alloc_fragment((K, BV), "float32")
             ks = T.alloc_fragment((C, BV), "float32")
             qs = T.alloc_fragment((C, BV), "float32")
             vn = T.alloc_fragment((C, BV), "float32")
-            p = T.alloc_fragment((C, C), "float32")
-
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             slot0 = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
             bos = cu_seqlens[n]          # held in registers: an inlined global read would repeat per chunk
             eos = cu_seqlens[n + 1]
             slot0 = chunk_offsets[n] * C
@@ -83,46 +81,30 @@ def build(dtype: str, K: int, V: int, BV: int):
                 T.clear(S)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
                 t0 = bos + c * C
-                # Rows past the sequence end hold the next sequence's tokens (or TMA's zero fill past T).
-                # Every tile, g and beta included, goes through the pipelined copies (consumer-written
-                # single buffers race with the prefetch); padded rows are masked where they are used.
                 T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
-                T.copy(A[t0:t0 + C, h, :], a_s)
-                T.copy(g_cumsum_t[h, slot0 + c * C:slot0 + c * C + C], g_s)
-                T.copy(beta_t[h, slot0 + c * C:slot0 + c * C + C], b_s)
+                T.copy(agb[t0:t0 + C, h, :], agb_s)
+                T.copy(p[t0:t0 + C, h, :], p_s)
+                T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
+                T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
-                g_last = g_s[valid - 1]
                 T.copy(S, s_s)
-                for i, j in T.Parallel(C, C):
-                    agb_s[i, j] = T.if_then_else(
-                        (i >= j) and (i < valid),
-                        T.cast(T.cast(a_s[i, j], "float32") * T.exp2((g_s[i] - g_s[j]) * LOG2E) * b_s[j], dt),
-                        T.cast(0, dt))
                 T.gemm(k_s, s_s, ks, clear_accum=True)
                 T.gemm(q_s, s_s, qs, clear_accum=True)
-                T.gemm(q_s, k_s, p, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
-                    # padded rows zeroed: their gamma may be uninitialised, and 0 * NaN in Vnew = A_gb W is NaN
-                    w_s[i, d] = T.if_then_else(
-                        i < valid, T.cast(T.cast(v_s[i, d], "float32") - T.exp2(g_s[i] * LOG2E) * ks[i, d], dt),
-                        T.cast(0, dt))
-                for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else((i >= j) and (i < valid), T.cast(p[i, j] * T.exp2((g_s[i] - g_s[j]) * LOG2E) * scale, dt),
-                                               T.cast(0, dt))
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
                 T.gemm(agb_s, w_s, vn, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     vn_s[i, d] = T.cast(vn[i, d], dt)
-                    vd_s[i, d] = T.if_then_else(i < valid, T.cast(vn[i, d] * T.exp2((g_last - g_s[i]) * LOG2E), dt),
-                                                T.cast(0, dt))
-                    qs[i, d] = qs[i, d] * scale * T.exp2(g_s[i] * LOG2E)
+                    vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
+                    qs[i, d] = qs[i, d] * (eg_s[i] * scale)
                 T.gemm(p_s, vn_s, qs)
                 for i, d in T.Parallel(C, BV):
                     if i < valid:
                         o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
                 for kk, d in T.Parallel(K, BV):
-                    S[kk, d] = S[kk, d] * T.exp2(g_last * LOG2E)
+                    S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.gemm(k_s, vd_s, S, transpose_A=True)
             if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])

@@ -1,0 +1,55 @@
+"""Time forward-kernel families on representative rows (CUDA-graph medians), for kernel experiments."""
+import statistics
+import sys
+
+import torch
+
+from flash_qla import ops
+from flash_qla.validation import validate_inputs
+
+ROWS = {"TP1 4096x8": (16, 64, [4096] * 8), "TP8 1x32768": (2, 8, [32768]), "TP2 1x8192": (8, 32, [8192]),
+        "TP8 4096x8": (2, 8, [4096] * 8)}
+
+
+def inputs(hq, hv, lengths):
+    T = sum(lengths)
+    q = torch.nn.functional.normalize(torch.randn(1, T, hq, 128, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, T, hq, 128, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, T, hv, 128, device="cuda").bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, hv, device="cuda")) / 16
+    beta = torch.rand(1, T, hv, device="cuda")
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+    return q, k, v, g, beta, cu, torch.randn(len(lengths), hv, 128, 128, device="cuda")
+
+
+def graph_ms(fn, reps=20):
+    fn()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return statistics.median(times)
+
+
+for name, (hq, hv, lengths) in ROWS.items():
+    q, k, v, g, beta, cu, h0 = inputs(hq, hv, lengths)
+    p = validate_inputs(q, k, v, g, beta, None, h0, cu)
+    out = []
+    for fam in sys.argv[1:]:
+        for bv in (32, 64):
+            ops.FWD_KERNEL, ops.FORCE_BLOCK_V = fam, bv
+            ms = graph_ms(lambda: ops.forward(p, q, k, v, g, beta, h0, True, cu, False))
+            out.append(f"{fam}/BV{bv} {ms:.3f}")
+    print(f"{name:14s}", "  ".join(out), flush=True)
