@@ -36,6 +36,7 @@ def build(dtype: str, K: int):
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             gam = T.alloc_shared((C,), "float32")
+            p_s = T.alloc_shared((C, C), dt)
             qk = T.alloc_fragment((C, C), "float32")
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
@@ -63,9 +64,11 @@ def build(dtype: str, K: int):
                     h = hk * ratio + r
                     T.copy(gam_t[h, bc * C:bc * C + C], gam)
                     for i, j in T.Parallel(C, C):
+                        p_s[i, j] = T.if_then_else(
+                            i >= j, T.cast(qk[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * scale, dt), T.cast(0, dt))
+                    # stored from shared memory along rows (vectorised), not in the scattered MMA layout
+                    for i, j in T.Parallel(C, C):
                         if i < valid:
-                            p[t0 + i, h, j] = T.if_then_else(
-                                i >= j, T.cast(qk[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * scale, dt),
-                                T.cast(0, dt))
+                            p[t0 + i, h, j] = p_s[i, j]
 
     return gdn_qk
