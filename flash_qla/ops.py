@@ -29,15 +29,23 @@ POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
 _DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+_CACHE: dict = {}  # manifest-derived lookups, built once per process (the manifest never changes at run time)
+
+
 def supported_head_dims() -> set:
-    return {(v["K"], v["V"]) for v in loader.library().variants(FWD_KERNEL)}
+    if "dims" not in _CACHE:
+        _CACHE["dims"] = {(v["K"], v["V"]) for v in loader.library().variants(FWD_KERNEL)}
+    return _CACHE["dims"]
 
 
 def _block_v(problem: Problem, tag: str, device: torch.device) -> int:
     if FORCE_BLOCK_V is not None:
         return FORCE_BLOCK_V
-    built = [v["BV"] for v in loader.library().variants(FWD_KERNEL)
-             if (v["dtype"], v["K"], v["V"]) == (tag, problem.head_dim_k, problem.head_dim_v)]
+    key = ("bv", tag, problem.head_dim_k, problem.head_dim_v)
+    if key not in _CACHE:
+        _CACHE[key] = [v["BV"] for v in loader.library().variants(FWD_KERNEL)
+                       if (v["dtype"], v["K"], v["V"]) == key[1:]]
+    built = _CACHE[key]
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return plan_block_v(problem.num_seqs, problem.num_v_heads, problem.head_dim_v, built, _SMS[device.index])
@@ -49,14 +57,16 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 
 def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int32, chunk_offsets int32) on the device; no host synchronisation."""
+    """(cu_seqlens int32, chunk_offsets int32) on the device: one small scan kernel, no host synchronisation."""
     if cu_seqlens is None:
-        cu = torch.arange(0, problem.batch + 1, device=device, dtype=torch.int32) * problem.tokens
+        T = problem.tokens
+        cu = (torch.arange(0, (problem.batch + 1) * T, T, device=device, dtype=torch.int32) if T > 0 else
+              torch.zeros(problem.batch + 1, device=device, dtype=torch.int32))
     else:
         cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
-    chunks = torch.div(cu[1:] - cu[:-1] + (CHUNK - 1), CHUNK, rounding_mode="floor")
-    offsets = torch.zeros_like(cu)
-    torch.cumsum(chunks, 0, out=offsets[1:])
+    offsets = torch.empty_like(cu)
+    _launch("gdn_plan", {"tile": 1024}, device, {"N": problem.num_seqs},
+            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr()})
     return cu, offsets
 
 
@@ -66,9 +76,13 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
     return torch.empty(*shape, device=device, dtype=dtype)
 
 
-def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers: dict) -> None:
-    kernel = loader.library().kernel(name, **variant)
-    stream = torch.cuda.current_stream(device).cuda_stream
+def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers: dict, stream=None) -> None:
+    key = (name, tuple(variant.items()))
+    kernel = _CACHE.get(key)
+    if kernel is None:  # resolved once: the manifest lookup costs microseconds per launch otherwise
+        kernel = _CACHE[key] = loader.library().kernel(name, **variant)
+    if stream is None:
+        stream = torch.cuda.current_stream(device).cuda_stream
     kernel.launch(device.index, stream, sizes, pointers)
 
 
@@ -86,34 +100,32 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     gp = _packed(g)
     bp = _packed(beta.float())
     cu, offsets = _offsets(problem, cu_seqlens, dev)
-    agb = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
-    pqk = _empty(T, Hv, CHUNK, device=dev, dtype=dt)
+    agb, pqk = _empty(2, T, Hv, CHUNK, device=dev, dtype=dt)  # one allocation: host time counts per call
     A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
-    eg_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
-    et_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
-    gam_t = _empty(Hv, TC, device=dev, dtype=torch.float32)
+    eg_t, et_t, gam_t = _empty(3, Hv, TC, device=dev, dtype=torch.float32)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
+    stream = torch.cuda.current_stream(dev).cuda_stream
     tag = _DTYPE_TAG[dt]
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None)),
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(),
-             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr()})
+             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr()}, stream)
     _launch("gdn_qk", {"dtype": tag, "K": K}, dev, sizes,
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "gam_t": gam_t.data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()})
+             "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()}, stream)
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}, dev,
             dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()})
+             "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}, stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)

@@ -114,3 +114,15 @@ def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum():
     assert reference.relative_l2(A, A_ref) < 1e-2
     o2, ht2 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+def test_plan_kernel_chunk_offsets_match_torch():
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 7, 1024, 1025, 3000):
+        lens = torch.randint(0, 300, (n,), generator=gen)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
+        x = torch.zeros(1, int(cu[-1]), 1, 64, device="cuda")
+        problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
+        _, offsets = ops._offsets(problem, cu, cu.device)
+        want = torch.cat([torch.zeros(1, dtype=torch.long), ((lens + 63) // 64).cumsum(0)])
+        assert torch.equal(offsets.cpu().long(), want), n
