@@ -19,6 +19,7 @@ C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 64  # one thread per column of A: every thread works in the solve
+H = C // 2    # columns of the second warp
 LOG2E = 1.4426950408889634
 
 
@@ -90,13 +91,25 @@ def build(dtype: str, K: int):
                 for i, j in T.Parallel(C, C):
                     lower[i, j] = T.if_then_else(i > j, b_s[i] * kk[i, j], 0.0)
                 tid = T.get_thread_binding()
-                # column `tid` of A: x_i = [i == tid] - sum_{j<i} L_ij x_j, the sum split over 4 accumulators
-                for i in T.unroll(C):
-                    for r in T.unroll(4):
-                        part[r] = 0.0
-                    for j in T.unroll(i):
-                        part[j % 4] += lower[i, j] * col[j]
-                    col[i] = T.if_then_else(i == tid, 1.0, -((part[0] + part[1]) + (part[2] + part[3])))
+                # column `tid` of A: x_i = [i == tid] - sum_{j<i} L_ij x_j, the sum split over 4 accumulators.
+                # x_i = 0 for i < tid, so warp 1 (columns 32..63) starts at row 32: a warp-uniform branch
+                # that drops ~37% of the FMAs and shared loads.
+                if tid < H:
+                    for i in T.unroll(C):
+                        for r in T.unroll(4):
+                            part[r] = 0.0
+                        for j in T.unroll(i):
+                            part[j % 4] += lower[i, j] * col[j]
+                        col[i] = T.if_then_else(i == tid, 1.0, -((part[0] + part[1]) + (part[2] + part[3])))
+                else:
+                    for i in T.unroll(H):
+                        col[i] = 0.0
+                    for i in T.unroll(H):
+                        for r in T.unroll(4):
+                            part[r] = 0.0
+                        for j in T.unroll(i):
+                            part[j % 4] += lower[H + i, H + j] * col[H + j]
+                        col[H + i] = T.if_then_else(H + i == tid, 1.0, -((part[0] + part[1]) + (part[2] + part[3])))
                 # park the column in shared memory (L is dead now) so the gated, scaled copy below runs as
                 # its own pass: fused into the unrolled loop it keeps ~90 more registers live
                 for i in T.unroll(C):
