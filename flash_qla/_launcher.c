@@ -381,15 +381,20 @@ static int parse_ordinal(PyObject *arg, int *ordinal) {
     return 0;
 }
 
+/* Python int -> (ordinal, CUdevice), initialising the driver first; -1 with an exception set on failure. */
+static int resolve_device(PyObject *arg, int *ordinal, CUdevice *dev) {
+    if (parse_ordinal(arg, ordinal) < 0) return -1;
+    if (ensure_init() < 0) return -1;
+    pthread_mutex_lock(&g_lock);
+    int ok = get_device_locked(*ordinal, dev);
+    pthread_mutex_unlock(&g_lock);
+    return ok;
+}
+
 static PyObject *py_device_capability(PyObject *self, PyObject *arg) {
     int ordinal;
-    if (parse_ordinal(arg, &ordinal) < 0) return NULL;
-    if (ensure_init() < 0) return NULL;
     CUdevice dev;
-    pthread_mutex_lock(&g_lock);
-    int ok = get_device_locked(ordinal, &dev);
-    pthread_mutex_unlock(&g_lock);
-    if (ok < 0) return NULL;
+    if (resolve_device(arg, &ordinal, &dev) < 0) return NULL;
     int major = 0, minor = 0;
     CUresult rc = cu.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
     if (rc == CUDA_SUCCESS) rc = cu.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
@@ -399,13 +404,8 @@ static PyObject *py_device_capability(PyObject *self, PyObject *arg) {
 
 static PyObject *py_device_name(PyObject *self, PyObject *arg) {
     int ordinal;
-    if (parse_ordinal(arg, &ordinal) < 0) return NULL;
-    if (ensure_init() < 0) return NULL;
     CUdevice dev;
-    pthread_mutex_lock(&g_lock);
-    int ok = get_device_locked(ordinal, &dev);
-    pthread_mutex_unlock(&g_lock);
-    if (ok < 0) return NULL;
+    if (resolve_device(arg, &ordinal, &dev) < 0) return NULL;
     char name[256];
     memset(name, 0, sizeof name);
     CUresult rc = cu.DeviceGetName(name, (int)sizeof name - 1, dev);

@@ -1,7 +1,9 @@
-"""The sm_90a kernel path behind the public API: packing, launches, the torch custom op.
+"""The sm_90a kernel path behind the public API: packing and launches (autograd via a Function whose
+backward raises until the backward kernels exist; no torch.library registration yet).
 
 Every call is turned into one packed varlen problem (a dense batch B x T becomes B sequences of T
-tokens), then three launches on the caller's stream:
+tokens), then four launches on the caller's stream:
+  gdn_plan     chunk offsets of the packed batch (one scan),
   gdn_prepare  per (chunk, v-head): gamma, the gate-free inverse and Agb = Gamma * A * beta, exp factors,
   gdn_qk       per (chunk, q/k head): P = scale * Gamma * tril(Q K^T), Q K^T shared by the GVA group,
   gdn_fwd      per (sequence, v-head, V-block): the state recurrence.
@@ -56,7 +58,8 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> Tuple[torch.Tensor, torch.Tensor]:
+def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
+             stream=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens int32, chunk_offsets int32) on the device: one small scan kernel, no host synchronisation."""
     if cu_seqlens is None:
         T = problem.tokens
@@ -66,7 +69,7 @@ def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> Tu
         cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
     offsets = torch.empty_like(cu)
     _launch("gdn_plan", {"tile": 1024}, device, {"N": problem.num_seqs},
-            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr()})
+            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr()}, stream)
     return cu, offsets
 
 
@@ -99,7 +102,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     qp, kp, vp = _packed(q), _packed(k), _packed(v)
     gp = _packed(g)
     bp = _packed(beta.float())
-    cu, offsets = _offsets(problem, cu_seqlens, dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = _empty(2, T, Hv, CHUNK, device=dev, dtype=dt)  # one allocation: host time counts per call
     A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
@@ -110,7 +114,6 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
-    stream = torch.cuda.current_stream(dev).cuda_stream
     tag = _DTYPE_TAG[dt]
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None)),
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
