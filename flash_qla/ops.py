@@ -1,5 +1,5 @@
 """The sm_90a kernel path behind the public API: packing and launches (autograd via a Function whose
-backward raises until the backward kernels exist; no torch.library registration yet).
+backward is flash_qla/backward.py; no torch.library registration yet).
 
 Every call is turned into one packed varlen problem (a dense batch B x T becomes B sequences of T
 tokens), then four launches on the caller's stream:
@@ -40,13 +40,14 @@ def supported_head_dims() -> set:
     return _CACHE["dims"]
 
 
-def _block_v(problem: Problem, tag: str, device: torch.device) -> int:
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL) -> int:
+    """The V block of a chain kernel (gdn_fwd, gdn_bwd_dh): planned from the built blocks and the SM count."""
     if FORCE_BLOCK_V is not None:
         return FORCE_BLOCK_V
-    key = ("bv", tag, problem.head_dim_k, problem.head_dim_v)
+    key = ("bv", kernel, tag, problem.head_dim_k, problem.head_dim_v)
     if key not in _CACHE:
-        _CACHE[key] = [v["BV"] for v in loader.library().variants(FWD_KERNEL)
-                       if (v["dtype"], v["K"], v["V"]) == key[1:]]
+        _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
+                       if (v["dtype"], v["K"], v["V"]) == key[2:] and not v.get("save", 0)]
     built = _CACHE[key]
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -90,8 +91,11 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 
 
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-            want_gate_free_inverse: bool = False):
-    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets))."""
+            want_gate_free_inverse: bool = False, saved: Optional[dict] = None):
+    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
+
+    With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs (V block 64) and
+    the dict receives every intermediate the backward reads: agb, p, eg_t, et_t, gam_t, hs, w, vnew, TC."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -123,12 +127,23 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     _launch("gdn_qk", {"dtype": tag, "K": K}, dev, sizes,
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "gam_t": gam_t.data_ptr(), "cu_seqlens": cu.data_ptr(),
              "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()}, stream)
-    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}, dev,
-            dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
-             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
-             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}, stream)
+    pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
+                "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
+                "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
+                "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
+    if saved is None:
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "save": 0}
+        pointers.update(hs=o.data_ptr(), w=o.data_ptr(), vnew=o.data_ptr())  # not touched by this build
+    else:
+        variant = {"dtype": tag, "K": K, "V": V, "BV": 64, "save": 1}
+        # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
+        hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
+        w, vnew = _empty(2, T, Hv, V, device=dev, dtype=dt)
+        pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
+        saved.update(q=qp, k=kp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC,
+                     A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
+    _launch(FWD_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+            pointers, stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
@@ -147,17 +162,28 @@ def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """Saves only the inputs: the backward recomputes every intermediate (flash_qla/backward.py)."""
+
     @staticmethod
     def forward(ctx, problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
         o, ht, _, _ = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                               use_qk_l2norm)
-        return o, (ht if output_final_state else None)
+        ctx.problem, ctx.cu_seqlens, ctx.use_qk_l2norm = problem, cu_seqlens, use_qk_l2norm
+        ctx.has_h0 = initial_state is not None
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        if output_final_state:
+            return o, ht
+        return o, None
 
     @staticmethod
     def backward(ctx, do, dht):
-        raise NotImplementedError(
-            "the sm_90a backward kernels are not part of this build yet; call chunk_gated_delta_rule with "
-            "backend='reference' to differentiate (slow), or run the forward under torch.no_grad()")
+        from .backward import backward
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, dh0 = backward(ctx.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
+                                              ctx.cu_seqlens, ctx.use_qk_l2norm, do, dht)
+        return None, dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
@@ -180,6 +206,25 @@ def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_
     return g_cumsum, A, o, None, (ht if output_final_state else None)
 
 
-def chunk_gated_delta_rule_bwd(*args, **kwargs):
-    raise NotImplementedError("the sm_90a backward kernels are not part of this build yet; "
-                              "use backend='reference' for chunk_gated_delta_rule_bwd")
+def chunk_local_diff(g_cumsum: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """Inverse of chunk_local_cumsum on the device: the raw g [B, T, Hv] back from its chunk-local cumsum."""
+    shape = g_cumsum.shape[:2]
+    gc = _packed(g_cumsum).float()
+    T = gc.shape[0]
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=T)
+    first = (torch.arange(T, device=cu.device) - cu[seq].long()) % CHUNK == 0
+    prev = torch.cat([gc.new_zeros(1, gc.shape[1]), gc[:-1]])
+    return torch.where(first[:, None], gc, gc - prev).unflatten(0, shape)
+
+
+def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
+                               use_qk_l2norm_in_kernel):
+    """FlashQLA's low-level backward. ``A`` is accepted for signature compatibility and recomputed (the
+    recompute pass produces it alongside the states it needs anyway)."""
+    from .backward import backward
+    cu, _ = _offsets(problem, cu_seqlens, q.device)
+    g_raw = chunk_local_diff(g_cumsum, cu)
+    dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_raw, beta, initial_state, cu_seqlens,
+                                          use_qk_l2norm_in_kernel, do, dht)
+    return dq, dk, dv, dbeta, dg, dh0

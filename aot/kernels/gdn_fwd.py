@@ -11,20 +11,22 @@ Every tile (q, k, v, Agb, P, eg, et) arrives by TMA in a 2-stage software pipeli
 specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
 outputs are not stored. eg_last is the last valid row's.
+The save = 1 build (the backward's recompute pass) also stores, exactly as the chain used them (bf16/fp16),
+every chunk's entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V].
 """
 import tilelang.language as T
 
 C = 64
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64]}
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64], "save": [0, 1]}
 # BV: the V columns one CTA owns (flash_qla/planner.py trades chain count against chain cost). BV = 128
 # was built and measured on the H200: its chains took ~2x BV = 64's, so it never paid and is not built.
-VARIANT_RULE = "BV <= V"
+VARIANT_RULE = "BV <= V and (save == 0 or BV == 64)"  # the recompute pass is not latency-critical
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
 
 
-def build(dtype: str, K: int, V: int, BV: int):
+def build(dtype: str, K: int, V: int, BV: int, save: int = 0):
     dt = DTYPES[dtype]
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
@@ -46,6 +48,9 @@ def build(dtype: str, K: int, V: int, BV: int):
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         o: T.Tensor((NT, Hv, V), dt),
         ht: T.Tensor((N, Hv, K, V), "float32"),
+        hs: T.Tensor((TC // C, Hv, K, V), dt),
+        w: T.Tensor((NT, Hv, V), dt),
+        vnew: T.Tensor((NT, Hv, V), dt),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
@@ -70,9 +75,11 @@ def build(dtype: str, K: int, V: int, BV: int):
             eos = T.alloc_var("int32")
             slot0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
             bos = cu_seqlens[n]          # held in registers: an inlined global read would repeat per chunk
             eos = cu_seqlens[n + 1]
             slot0 = chunk_offsets[n] * C
+            c0 = chunk_offsets[n]
             hk = h // (Hv // Hq)
             v0 = bv * BV
             if use_h0 != 0:
@@ -99,6 +106,12 @@ def build(dtype: str, K: int, V: int, BV: int):
                     vn_s[i, d] = T.cast(vn[i, d], dt)
                     vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
                     qs[i, d] = qs[i, d] * (eg_s[i] * scale)
+                if save:  # compile-time: only the backward's recompute build stores these
+                    T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
+                    for i, d in T.Parallel(C, BV):
+                        if i < valid:
+                            w[t0 + i, h, v0 + d] = w_s[i, d]
+                            vnew[t0 + i, h, v0 + d] = vn_s[i, d]
                 T.gemm(p_s, vn_s, qs)
                 for i, d in T.Parallel(C, BV):
                     if i < valid:

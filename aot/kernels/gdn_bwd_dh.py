@@ -1,0 +1,122 @@
+"""GDN backward state recurrence: one CTA per (sequence, v-head, V-block) walks its chunks last to first.
+
+The forward chain per chunk (gdn_fwd) is, with S the entering state,
+    W = V - diag(eg) K S,   Vnew = Agb W,   O = scale diag(eg) Q S + P Vnew,
+    S' = eg_last S + K^T diag(et) Vnew.
+Its adjoint, with dS the gradient of the leaving state S' (fp32, K x BV, in registers), is
+    X   = P^T dO + diag(et) K dS           (dL/dVnew)
+    dW  = Agb^T X                          (= dL/dV)
+    dS <- eg_last dS + Q^T (scale diag(eg) dO) - K^T (diag(eg) dW)
+Every V column evolves on its own, so V splits across CTAs like the forward. Per chunk the kernel stores
+dS' (the chunk's dh, as the GEMMs used it), X and dV; after the first chunk dS is dh0. The chunk-parallel
+rest of the backward (dq, dk, dbeta, dg) runs afterwards on these (flash_qla/chunk_grads.py).
+Rows past the sequence end: dO is zeroed there (and et = 0), so X and dW vanish on them and the
+next sequence's q/k rows that the tile loads contribute nothing.
+"""
+import tilelang.language as T
+
+C = 64
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64]}
+VARIANT_RULE = "BV <= V"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+THREADS = 256
+STAGES = 2
+
+
+def build(dtype: str, K: int, V: int, BV: int):
+    dt = DTYPES[dtype]
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+    TC = T.dynamic("TC")  # chunk slots x 64 (gdn_prepare's eg / et tiles)
+
+    @T.prim_func
+    def gdn_bwd_dh(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        do: T.Tensor((NT, Hv, V), dt),
+        agb: T.Tensor((NT, Hv, C), dt),
+        p: T.Tensor((NT, Hv, C), dt),
+        eg_t: T.Tensor((Hv, TC), "float32"),
+        et_t: T.Tensor((Hv, TC), "float32"),
+        dht: T.Tensor((N, Hv, K, V), "float32"),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        dhs: T.Tensor((TC // C, Hv, K, V), dt),
+        x: T.Tensor((NT, Hv, V), dt),
+        dv: T.Tensor((NT, Hv, V), dt),
+        dh0: T.Tensor((N, Hv, K, V), "float32"),
+        scale: T.float32,
+        use_dht: T.int32,
+        store_dh0: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
+            q_s = T.alloc_shared((C, K), dt)
+            k_s = T.alloc_shared((C, K), dt)
+            do_s = T.alloc_shared((C, BV), dt)
+            agb_s = T.alloc_shared((C, C), dt)
+            p_s = T.alloc_shared((C, C), dt)
+            eg_s = T.alloc_shared((C,), "float32")
+            et_s = T.alloc_shared((C,), "float32")
+            ds_s = T.alloc_shared((K, BV), dt)
+            dom_s = T.alloc_shared((C, BV), dt)   # dO, zero past the sequence end
+            dos_s = T.alloc_shared((C, BV), dt)   # scale * eg * dO
+            x_s = T.alloc_shared((C, BV), dt)
+            dwe_s = T.alloc_shared((C, BV), dt)   # -eg * dW
+            dS = T.alloc_fragment((K, BV), "float32")
+            xf = T.alloc_fragment((C, BV), "float32")
+            dw = T.alloc_fragment((C, BV), "float32")
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            slot0 = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            nc = T.alloc_var("int32")
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            c0 = chunk_offsets[n]
+            slot0 = c0 * C
+            hk = h // (Hv // Hq)
+            nc = T.ceildiv(eos - bos, C)
+            v0 = bv * BV
+            if use_dht != 0:
+                T.copy(dht[n, h, :, v0:v0 + BV], dS)
+            else:
+                T.clear(dS)
+            for r in T.Pipelined(nc, num_stages=STAGES):
+                c = nc - 1 - r
+                t0 = bos + c * C
+                T.copy(q[t0:t0 + C, hk, :], q_s)
+                T.copy(k[t0:t0 + C, hk, :], k_s)
+                T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
+                T.copy(agb[t0:t0 + C, h, :], agb_s)
+                T.copy(p[t0:t0 + C, h, :], p_s)
+                T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
+                T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
+                valid = T.min(eos - t0, C)
+                T.copy(dS, ds_s)
+                T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
+                T.gemm(k_s, ds_s, xf, clear_accum=True)
+                for i, d in T.Parallel(C, BV):
+                    dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
+                    dos_s[i, d] = T.if_then_else(
+                        i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
+                    xf[i, d] = xf[i, d] * et_s[i]
+                T.gemm(p_s, dom_s, xf, transpose_A=True)
+                for i, d in T.Parallel(C, BV):
+                    x_s[i, d] = T.cast(xf[i, d], dt)
+                T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
+                for i, d in T.Parallel(C, BV):
+                    dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
+                    if i < valid:
+                        x[t0 + i, h, v0 + d] = x_s[i, d]
+                        dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
+                for kk, d in T.Parallel(K, BV):
+                    dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
+                T.gemm(q_s, dos_s, dS, transpose_A=True)
+                T.gemm(k_s, dwe_s, dS, transpose_A=True)
+            if store_dh0 != 0:
+                T.copy(dS, dh0[n, h, :, v0:v0 + BV])
+
+    return gdn_bwd_dh

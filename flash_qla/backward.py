@@ -1,0 +1,90 @@
+"""The sm_90a GDN backward: recompute, reverse state recurrence, chunk-parallel gradients.
+
+1. Recompute the forward intermediates (gdn_plan, gdn_prepare, gdn_qk, then gdn_fwd's save build, which
+   stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward.
+2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
+   dh, X = dL/dVnew and dV; dh0 at the end.
+3. flash_qla.chunk_grads turns those into dq, dk, dbeta, dg per (chunk, v-head) with batched GEMMs; the GVA
+   groups' dq/dk are summed and l2norm (when asked) is differentiated by autograd.
+No host synchronisation: the whole backward can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops
+from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
+from .reference import l2norm
+from .validation import Problem
+
+DH_KERNEL = "gdn_bwd_dh"
+
+
+def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
+             use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor]):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht).
+    dg is with respect to the raw g; dh0 is None without an initial state."""
+    dt = q.dtype
+    if use_qk_l2norm:
+        q_in, k_in = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        with torch.enable_grad():
+            qn, kn = l2norm(q_in.float()), l2norm(k_in.float())
+        q_run, k_run = qn.detach().to(dt), kn.detach().to(dt)
+    else:
+        q_run, k_run = q, k
+    saved: dict = {}
+    with torch.no_grad():
+        ops.forward(problem, q_run, k_run, v, g, beta, initial_state, False, cu_seqlens, False,
+                    want_gate_free_inverse=True, saved=saved)
+        dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do, dht, initial_state is not None)
+        dq, dk, dbeta, dg = _chunk_parallel(problem, saved, beta, do, x, dv, dhs)
+    shape = (problem.batch, problem.tokens)
+    dq, dk = dq.unflatten(0, shape), dk.unflatten(0, shape)
+    if use_qk_l2norm:
+        dq, dk = torch.autograd.grad((qn, kn), (q_in, k_in), (dq, dk))
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.unflatten(0, shape).to(v.dtype), dg.unflatten(0, shape).to(g.dtype),
+            dbeta.unflatten(0, shape).to(beta.dtype),
+            dh0.to(initial_state.dtype) if initial_state is not None else None)
+
+
+def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
+    dev = do.device
+    T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
+                      problem.head_dim_v, problem.num_seqs)
+    dt = saved["q"].dtype
+    dop = ops._packed(do.to(dt))
+    dv, x = ops._empty(2, T, Hv, V, device=dev, dtype=dt)
+    dhs = torch.zeros(saved["TC"] // ops.CHUNK, Hv, K, V, device=dev, dtype=dt)  # unused slots are read (x 0)
+    dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+    dht_c = dht.float().contiguous() if dht is not None else None
+    tag = saved["tag"]
+    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL)
+    ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
+                dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0)),
+                {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": dop.data_ptr(),
+                 "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
+                 "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
+                 "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
+                 "dhs": dhs.data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
+                 "dh0": (dh0 if dh0 is not None else dhs).data_ptr()})
+    return dv, x, dhs, dh0
+
+
+def _chunk_parallel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
+    T, Hq, Hv = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads
+    ratio = Hv // Hq
+    slots = saved["TC"] // ops.CHUNK
+    m = slot_map(saved["cu"], saved["offsets"], T, slots)
+    qs = to_slots(saved["q"], m).repeat_interleave(ratio, dim=1)
+    ks = to_slots(saved["k"], m).repeat_interleave(ratio, dim=1)
+    valid = to_slots(torch.ones(T, 1, device=do.device), m).expand(slots, Hv, ops.CHUNK)
+    gamma = saved["gam_t"].view(Hv, slots, ops.CHUNK).transpose(0, 1)
+    dq, dk, dbeta, dgamma = chunk_gradients(
+        qs, ks, to_slots(ops._packed(do), m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
+        to_slots(x, m), to_slots(dv, m), saved["hs"].to(compute_dtype(saved["hs"])), dhs.to(compute_dtype(dhs)), to_slots(saved["A"], m),
+        to_slots(ops._packed(beta), m), gamma, valid, problem.scale)
+    dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2)
+    dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2)
+    return dq, dk, from_slots(dbeta, m), from_slots(reverse_chunk_cumsum(dgamma), m)
