@@ -1,4 +1,4 @@
-"""A small varlen forward case for compute-sanitizer (memcheck / racecheck) on the GPU machine."""
+"""A small varlen forward + backward case for compute-sanitizer (memcheck / racecheck) on the GPU machine."""
 import torch
 
 import flash_qla
@@ -13,6 +13,10 @@ v = torch.randn(1, T, hv, V, device="cuda").bfloat16()
 g = -torch.rand(1, T, hv, device="cuda")
 beta = torch.rand(1, T, hv, device="cuda")
 h0 = torch.randn(len(lengths), hv, K, V, device="cuda")
+for x in (q, k, v, g, beta, h0):
+    x.requires_grad_(True)
 o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+grads = torch.autograd.grad([o, ht], [q, k, v, g, beta, h0], [torch.randn_like(o), torch.randn_like(ht)])
 torch.cuda.synchronize()
-print("sanitize case ok", float(o.float().abs().sum()), float(ht.abs().sum()))
+print("sanitize case ok", float(o.float().abs().sum()), float(ht.abs().sum()),
+      [float(d.float().abs().sum()) for d in grads])
