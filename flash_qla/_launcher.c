@@ -792,6 +792,14 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t nar
         }
     }
     if ((uint64_t)grid[0] * grid[1] * grid[2] == 0) Py_RETURN_NONE; /* empty problem: nothing to launch */
+    /* A thread's first launch: threads torch starts (autograd's backward workers) often have no context
+       current; bind the function's up front rather than let a launch fail (compute-sanitizer reports that). */
+    static _Thread_local int t_ctx_checked = 0;
+    if (!t_ctx_checked) {
+        CUcontext cur = NULL;
+        if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == NULL) bind_function_ctx(fn);
+        t_ctx_checked = 1;
+    }
     CUresult rc = cu.LaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], (unsigned)smem, stream,
                                   params, NULL);
     if (rc == CUDA_ERROR_INVALID_CONTEXT && bind_function_ctx(fn) == 0) {

@@ -18,5 +18,5 @@ for x in (q, k, v, g, beta, h0):
 o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 grads = torch.autograd.grad([o, ht], [q, k, v, g, beta, h0], [torch.randn_like(o), torch.randn_like(ht)])
 torch.cuda.synchronize()
-print("sanitize case ok", float(o.float().abs().sum()), float(ht.abs().sum()),
+print("sanitize case ok", float(o.detach().float().abs().sum()), float(ht.detach().abs().sum()),
       [float(d.float().abs().sum()) for d in grads])
