@@ -4,8 +4,9 @@
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward.
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end.
-3. flash_qla.chunk_grads turns those into dq, dk, dbeta, dg per (chunk, v-head) with batched GEMMs; the GVA
-   groups' dq/dk are summed and l2norm (when asked) is differentiated by autograd.
+3. gdn_bwd_chunk turns those into dq, dk, dbeta, dg per (chunk, v-head), fused (the math is
+   flash_qla.chunk_grads', whose batched-torch form `_chunk_parallel` is the CPU-tested specification);
+   the GVA groups' dq/dk are summed and l2norm (when asked) is differentiated by autograd.
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .reference import l2norm
 from .validation import Problem
 
 DH_KERNEL = "gdn_bwd_dh"
+CHUNK_KERNEL = "gdn_bwd_chunk"
 
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
@@ -39,7 +41,7 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
         ops.forward(problem, q_run, k_run, v, g, beta, initial_state, False, cu_seqlens, False,
                     want_gate_free_inverse=True, saved=saved)
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do, dht, initial_state is not None)
-        dq, dk, dbeta, dg = _chunk_parallel(problem, saved, beta, do, x, dv, dhs)
+        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, beta, do, x, dv, dhs)
     shape = (problem.batch, problem.tokens)
     dq, dk = dq.unflatten(0, shape), dk.unflatten(0, shape)
     if use_qk_l2norm:
@@ -72,7 +74,28 @@ def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
     return dv, x, dhs, dh0
 
 
+def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
+    """gdn_bwd_chunk: one CTA per (chunk slot, v-head); dq / dk per v-head in fp32, summed per GVA group."""
+    dev = do.device
+    T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
+    dq, dk = ops._empty(2, T, Hv, K, device=dev, dtype=torch.float32)
+    dbeta, dg = ops._empty(2, T, Hv, device=dev, dtype=torch.float32)
+    beta_p, do_p = ops._packed(beta.float()), ops._packed(do.to(saved["q"].dtype))  # held until launched
+    ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev, saved["sizes"],
+                {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
+                 "beta": beta_p.data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
+                 "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
+                 "vnew": saved["vnew"].data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
+                 "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "cu_seqlens": saved["cu"].data_ptr(),
+                 "chunk_offsets": saved["offsets"].data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(),
+                 "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr()})
+    if Hv != Hq:
+        dq, dk = dq.unflatten(1, (Hq, Hv // Hq)).sum(2), dk.unflatten(1, (Hq, Hv // Hq)).sum(2)
+    return dq, dk, dbeta, dg
+
+
 def _chunk_parallel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
+    """The same stage in batched torch GEMMs (flash_qla.chunk_grads): the CPU tests' specification."""
     T, Hq, Hv = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads
     ratio = Hv // Hq
     slots = saved["TC"] // ops.CHUNK

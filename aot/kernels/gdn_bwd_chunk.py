@@ -1,0 +1,245 @@
+"""The chunk-parallel half of the GDN backward, fused: dq, dk, dbeta, dg per (chunk, v-head).
+
+Inputs are what the recompute pass (gdn_prepare, gdn_fwd save build) and the reverse recurrence
+(gdn_bwd_dh) left in memory: A (gate-free inverse), gamma, the chunk's entering state S and leaving-state
+gradient dS', W, Vnew, X = dL/dVnew, dW = dL/dV and dO. The math is
+flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in blocks of 64:
+    dq  = scale eg * (dO S^T) + dPs K              dPs  = scale Gamma * tril(dO Vnew^T)
+    dk  = -eg * (dW S^T) + et * (Vnew dS'^T) + dPs^T Q + dLb K + dLb^T K
+    dAgb = tril(X W^T), dA = dAgb Gamma beta_col, dL = -strictLower(A^T dA A^T), dLb = beta_row dL
+    dbeta_j = sum_i dAgb Gamma A (col) + sum_j dL K K^T (row)
+    dgamma  = the exp factors' row / column sums; gamma_last takes et's and eg_last's; dg = reverse cumsum.
+Rows past the sequence end hold the next sequence's (finite) rows: every C x C term is masked to the
+valid causal pairs and row outputs are stored for valid rows only. dq / dk are per v-head (fp32); the
+caller sums a GVA group.
+"""
+import tilelang.language as T
+
+C = 64
+BV = 64
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+THREADS = 256
+LOG2E = 1.4426950408889634
+
+
+def build(dtype: str, K: int, V: int):
+    dt = DTYPES[dtype]
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+    TC = T.dynamic("TC")
+
+    @T.prim_func
+    def gdn_bwd_chunk(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        A: T.Tensor((NT, Hv, C), dt),
+        beta: T.Tensor((NT, Hv), "float32"),
+        gam_t: T.Tensor((Hv, TC), "float32"),
+        do: T.Tensor((NT, Hv, V), dt),
+        w: T.Tensor((NT, Hv, V), dt),
+        vnew: T.Tensor((NT, Hv, V), dt),
+        x: T.Tensor((NT, Hv, V), dt),
+        dv: T.Tensor((NT, Hv, V), dt),
+        hs: T.Tensor((TC // C, Hv, K, V), dt),
+        dhs: T.Tensor((TC // C, Hv, K, V), dt),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        dq: T.Tensor((NT, Hv, K), "float32"),
+        dk: T.Tensor((NT, Hv, K), "float32"),
+        dbeta: T.Tensor((NT, Hv), "float32"),
+        dg: T.Tensor((NT, Hv), "float32"),
+        scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(NT, C) + N, Hv, threads=THREADS) as (bc, h):
+            q_s = T.alloc_shared((C, K), dt)
+            k_s = T.alloc_shared((C, K), dt)
+            a_s = T.alloc_shared((C, C), dt)
+            m_s = T.alloc_shared((C, C), dt)
+            t_s = T.alloc_shared((C, C), dt)
+            do_s = T.alloc_shared((C, BV), dt)
+            w_s = T.alloc_shared((C, BV), dt)
+            vn_s = T.alloc_shared((C, BV), dt)
+            x_s = T.alloc_shared((C, BV), dt)
+            dw_s = T.alloc_shared((C, BV), dt)
+            h_s = T.alloc_shared((K, BV), dt)
+            dh_s = T.alloc_shared((K, BV), dt)
+            gam_s = T.alloc_shared((C,), "float32")
+            b_s = T.alloc_shared((C,), "float32")
+            eg_s = T.alloc_shared((C,), "float32")
+            et_s = T.alloc_shared((C,), "float32")
+            dg_s = T.alloc_shared((C,), "float32")
+            dqf = T.alloc_fragment((C, K), "float32")
+            dkf = T.alloc_fragment((C, K), "float32")
+            dks = T.alloc_fragment((C, K), "float32")
+            dP = T.alloc_fragment((C, C), "float32")
+            dAgb = T.alloc_fragment((C, C), "float32")
+            cc = T.alloc_fragment((C, C), "float32")
+            r1 = T.alloc_fragment((C,), "float32")
+            r23 = T.alloc_fragment((C,), "float32")
+            r3 = T.alloc_fragment((C,), "float32")
+            rp = T.alloc_fragment((C,), "float32")
+            cp = T.alloc_fragment((C,), "float32")
+            ra = T.alloc_fragment((C,), "float32")
+            ca = T.alloc_fragment((C,), "float32")
+            dbc = T.alloc_fragment((C,), "float32")
+            dbr = T.alloc_fragment((C,), "float32")
+            r3_s = T.alloc_shared((C,), "float32")
+            db_s = T.alloc_shared((C,), "float32")
+            acc = T.alloc_var("float32")
+            hh = T.alloc_var("float32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            t0 = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            valid = T.alloc_var("int32")
+
+            lo = 0
+            hi = N
+            for _ in T.serial(32):  # sequence of this chunk: largest n with chunk_offsets[n] <= bc
+                if lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if chunk_offsets[mid] <= bc:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+            if bc < chunk_offsets[N]:
+                t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
+                eos = cu_seqlens[lo + 1]
+                hk = h // (Hv // Hq)
+                valid = T.min(eos - t0, C)
+                T.copy(q[t0:t0 + C, hk, :], q_s)
+                T.copy(k[t0:t0 + C, hk, :], k_s)
+                T.copy(A[t0:t0 + C, h, :], a_s)
+                for i in T.Parallel(C):
+                    gam_s[i] = gam_t[h, bc * C + i]
+                    b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
+                    dg_s[i] = 0.0
+                    db_s[i] = 0.0
+                T.clear(dqf)
+                T.clear(dkf)
+                T.clear(dks)
+                T.clear(dP)
+                T.clear(dAgb)
+                T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
+                for vb in T.serial(V // BV):
+                    v0 = vb * BV
+                    T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
+                    T.copy(w[t0:t0 + C, h, v0:v0 + BV], w_s)
+                    T.copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s)
+                    T.copy(x[t0:t0 + C, h, v0:v0 + BV], x_s)
+                    T.copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s)
+                    T.copy(hs[bc, h, :, v0:v0 + BV], h_s)
+                    T.copy(dhs[bc, h, :, v0:v0 + BV], dh_s)
+                    T.gemm(do_s, h_s, dqf, transpose_B=True)
+                    T.gemm(dw_s, h_s, dkf, transpose_B=True)
+                    T.gemm(vn_s, dh_s, dks, transpose_B=True)
+                    T.gemm(do_s, vn_s, dP, transpose_B=True)
+                    T.gemm(x_s, w_s, dAgb, transpose_B=True)
+                    T.gemm(h_s, dh_s, cc, transpose_A=True)
+                for i, j in T.Parallel(C, C):
+                    cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
+                T.reduce_sum(cc, rp, dim=1)
+                for i in T.Parallel(C):
+                    r3_s[i] = rp[i]
+                if T.get_thread_binding() == 0:
+                    hh = 0.0
+                    for i in T.serial(BV):
+                        hh += r3_s[i]
+                for i in T.Parallel(C):
+                    eg_s[i] = T.exp2(gam_s[i] * LOG2E)
+                    et_s[i] = T.if_then_else(i < valid, T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
+
+                # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T)
+                for i, d in T.Parallel(C, K):
+                    dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
+                    dks[i, d] = dks[i, d] * et_s[i]
+                    dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
+                # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state -> r23, q.dq -> r1
+                for i, d in T.Parallel(C, K):
+                    dks[i, d] = dks[i, d] * k_s[i, d]
+                T.reduce_sum(dks, r3, dim=1)
+                for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
+                    r3_s[i] = r3[i]
+                for i, d in T.Parallel(C, K):
+                    dks[i, d] = dkf[i, d] * k_s[i, d]
+                T.reduce_sum(dks, r23, dim=1)
+                for i in T.Parallel(C):
+                    dg_s[i] += r23[i]
+                for i, d in T.Parallel(C, K):
+                    dks[i, d] = dqf[i, d] * q_s[i, d]
+                T.reduce_sum(dks, r1, dim=1)
+                for i in T.Parallel(C):
+                    dg_s[i] += r1[i] - 2.0 * r3_s[i]
+
+                # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
+                T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    dP[i, j] = T.if_then_else(
+                        i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
+                    m_s[i, j] = T.cast(dP[i, j], dt)
+                    cc[i, j] = dP[i, j] * cc[i, j]
+                T.reduce_sum(cc, rp, dim=1)
+                for i in T.Parallel(C):
+                    dg_s[i] += rp[i]
+                T.reduce_sum(cc, cp, dim=0)
+                for i in T.Parallel(C):
+                    dg_s[i] -= cp[i]
+                T.gemm(m_s, k_s, dqf)
+                T.gemm(m_s, q_s, dkf, transpose_A=True)
+
+                # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
+                for i, j in T.Parallel(C, C):
+                    dAgb[i, j] = T.if_then_else(
+                        i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                    dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                    cc[i, j] = dP[i, j] * b_s[j]
+                    t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
+                T.reduce_sum(cc, ra, dim=1)
+                for i in T.Parallel(C):
+                    dg_s[i] += ra[i]
+                T.reduce_sum(cc, ca, dim=0)
+                for i in T.Parallel(C):
+                    dg_s[i] -= ca[i]
+                T.reduce_sum(dP, dbc, dim=0)
+                for i in T.Parallel(C):
+                    db_s[i] += dbc[i]
+                # dL = -strictLower(A^T dA A^T)
+                T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    m_s[i, j] = T.cast(dAgb[i, j], dt)
+                T.gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
+                T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
+                    cc[i, j] = dP[i, j] * cc[i, j]
+                    t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
+                T.reduce_sum(cc, dbr, dim=1)
+                for i in T.Parallel(C):
+                    db_s[i] += dbr[i]
+                T.gemm(t_s, k_s, dkf)
+                T.gemm(t_s, k_s, dkf, transpose_A=True)
+
+                # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
+                # total and eg_last * sum(S * dS')
+                for i in T.Parallel(C):
+                    dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
+                if T.get_thread_binding() == 0:
+                    acc = T.exp2(gam_s[valid - 1] * LOG2E) * hh
+                    for i in T.serial(valid):
+                        acc += r3_s[i]
+                    dg_s[valid - 1] += acc
+                T.cumsum(src=dg_s, dim=0, reverse=True)
+                for i in T.Parallel(C):
+                    if i < valid:
+                        dg[t0 + i, h] = dg_s[i]
+                        dbeta[t0 + i, h] = db_s[i]
+                for i, d in T.Parallel(C, K):
+                    if i < valid:
+                        dq[t0 + i, h, d] = dqf[i, d]
+                        dk[t0 + i, h, d] = dkf[i, d]
+
+    return gdn_bwd_chunk
