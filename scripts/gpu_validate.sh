@@ -19,7 +19,8 @@ LOG="$OUT/gpu_validate.log"
   compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py > "$OUT/memcheck.log" 2>&1
   grep -E "=========" "$OUT/memcheck.log" | head -30
   echo "== compute-sanitizer racecheck"
-  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py 2>&1 | tail -6
+  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py > "$OUT/racecheck.log" 2>&1
+  grep -E "RACECHECK SUMMARY|sanitize case" "$OUT/racecheck.log"
   echo "== launch overhead"
   if [ -f scripts/launch_overhead.py ]; then python3 scripts/launch_overhead.py --size TC=128 --out "$OUT/launch_overhead.json" 2>&1 | tail -20; fi
 } 2>&1 | tee "$LOG"

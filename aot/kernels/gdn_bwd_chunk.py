@@ -68,9 +68,9 @@ def build(dtype: str, K: int, V: int):
             dh_s = T.alloc_shared((K, BV), dt)
             gam_s = T.alloc_shared((C,), "float32")
             b_s = T.alloc_shared((C,), "float32")
-            eg_s = T.alloc_shared((C,), "float32")
-            et_s = T.alloc_shared((C,), "float32")
             dg_s = T.alloc_shared((C,), "float32")
+            dgc_s = T.alloc_shared((C,), "float32")  # the scan's output (not in place)
+            hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
             dqf = T.alloc_fragment((C, K), "float32")
             dkf = T.alloc_fragment((C, K), "float32")
             dks = T.alloc_fragment((C, K), "float32")
@@ -144,20 +144,19 @@ def build(dtype: str, K: int, V: int):
                     cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
                 T.reduce_sum(cc, rp, dim=1)
                 for i in T.Parallel(C):
-                    r3_s[i] = rp[i]
+                    hd_s[i] = rp[i]
                 if T.get_thread_binding() == 0:
                     hh = 0.0
                     for i in T.serial(BV):
-                        hh += r3_s[i]
-                for i in T.Parallel(C):
-                    eg_s[i] = T.exp2(gam_s[i] * LOG2E)
-                    et_s[i] = T.if_then_else(i < valid, T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
+                        hh += hd_s[i]
 
-                # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T)
+                # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
+                # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
                 for i, d in T.Parallel(C, K):
-                    dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
-                    dks[i, d] = dks[i, d] * et_s[i]
-                    dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
+                    dqf[i, d] = dqf[i, d] * (scale * T.exp2(gam_s[i] * LOG2E))
+                    dks[i, d] = T.if_then_else(
+                        i < valid, dks[i, d] * T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
+                    dkf[i, d] = dks[i, d] - dkf[i, d] * T.exp2(gam_s[i] * LOG2E)
                 # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state -> r23, q.dq -> r1
                 for i, d in T.Parallel(C, K):
                     dks[i, d] = dks[i, d] * k_s[i, d]
@@ -232,10 +231,10 @@ def build(dtype: str, K: int, V: int):
                     for i in T.serial(valid):
                         acc += r3_s[i]
                     dg_s[valid - 1] += acc
-                T.cumsum(src=dg_s, dim=0, reverse=True)
+                T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
                 for i in T.Parallel(C):
                     if i < valid:
-                        dg[t0 + i, h] = dg_s[i]
+                        dg[t0 + i, h] = dgc_s[i]
                         dbeta[t0 + i, h] = db_s[i]
                 for i, d in T.Parallel(C, K):
                     if i < valid:
