@@ -11,8 +11,8 @@ Every tile (q, k, v, Agb, P, eg, et) arrives by TMA in a 2-stage software pipeli
 specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
 outputs are not stored. eg_last is the last valid row's.
-The save = 1 build (the backward's recompute pass) also stores, exactly as the chain used them (bf16/fp16),
-every chunk's entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V].
+The save = 1 build (the backward's recompute pass) stores, exactly as the chain used them (bf16/fp16), every
+chunk's entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V], and skips the output (no q, P, O).
 """
 import tilelang.language as T
 
@@ -88,34 +88,41 @@ def build(dtype: str, K: int, V: int, BV: int, save: int = 0):
                 T.clear(S)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
                 t0 = bos + c * C
-                T.copy(q[t0:t0 + C, hk, :], q_s)
+                if not save:  # compile-time: the recompute build needs no output, so no q, P, Q S or P Vnew
+                    T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
-                T.copy(p[t0:t0 + C, h, :], p_s)
+                if not save:
+                    T.copy(p[t0:t0 + C, h, :], p_s)
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(S, s_s)
                 T.gemm(k_s, s_s, ks, clear_accum=True)
-                T.gemm(q_s, s_s, qs, clear_accum=True)
+                if not save:
+                    T.gemm(q_s, s_s, qs, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
                 T.gemm(agb_s, w_s, vn, clear_accum=True)
-                for i, d in T.Parallel(C, BV):
-                    vn_s[i, d] = T.cast(vn[i, d], dt)
-                    vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
-                    qs[i, d] = qs[i, d] * (eg_s[i] * scale)
-                if save:  # compile-time: only the backward's recompute build stores these
+                if save:  # compile-time: the recompute build stores what the chain used
+                    for i, d in T.Parallel(C, BV):
+                        vn_s[i, d] = T.cast(vn[i, d], dt)
+                        vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
                     T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
                     for i, d in T.Parallel(C, BV):
                         if i < valid:
                             w[t0 + i, h, v0 + d] = w_s[i, d]
                             vnew[t0 + i, h, v0 + d] = vn_s[i, d]
-                T.gemm(p_s, vn_s, qs)
-                for i, d in T.Parallel(C, BV):
-                    if i < valid:
-                        o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
+                else:
+                    for i, d in T.Parallel(C, BV):
+                        vn_s[i, d] = T.cast(vn[i, d], dt)
+                        vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
+                        qs[i, d] = qs[i, d] * (eg_s[i] * scale)
+                    T.gemm(p_s, vn_s, qs)
+                    for i, d in T.Parallel(C, BV):
+                        if i < valid:
+                            o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
                 for kk, d in T.Parallel(K, BV):
                     S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.gemm(k_s, vd_s, S, transpose_A=True)
