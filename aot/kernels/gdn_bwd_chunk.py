@@ -125,7 +125,7 @@ def build(dtype: str, K: int, V: int):
                 T.clear(dP)
                 T.clear(dAgb)
                 T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
-                for vb in T.Pipelined(V // BV, num_stages=2):  # the next V block loads under this one's GEMMs
+                for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
                     v0 = vb * BV
                     T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
                     T.copy(w[t0:t0 + C, h, v0:v0 + BV], w_s)
