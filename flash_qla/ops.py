@@ -40,14 +40,15 @@ def supported_head_dims() -> set:
     return _CACHE["dims"]
 
 
-def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL) -> int:
-    """The V block of a chain kernel (gdn_fwd, gdn_bwd_dh): planned from the built blocks and the SM count."""
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL, save: int = 0) -> int:
+    """The V block of a chain kernel (gdn_fwd and its save build, gdn_bwd_dh): planned from the built blocks
+    and the SM count."""
     if FORCE_BLOCK_V is not None:
         return FORCE_BLOCK_V
-    key = ("bv", kernel, tag, problem.head_dim_k, problem.head_dim_v)
+    key = ("bv", kernel, save, tag, problem.head_dim_k, problem.head_dim_v)
     if key not in _CACHE:
         _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
-                       if (v["dtype"], v["K"], v["V"]) == key[2:] and not v.get("save", 0)]
+                       if (v["dtype"], v["K"], v["V"]) == key[3:] and v.get("save", 0) == save]
     built = _CACHE[key]
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -94,7 +95,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
-    With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs (V block 64) and
+    With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
     the dict receives every intermediate the backward reads: agb, p, eg_t, et_t, gam_t, hs, w, vnew, TC."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
@@ -135,7 +136,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "save": 0}
         pointers.update(hs=o.data_ptr(), w=o.data_ptr(), vnew=o.data_ptr())  # not touched by this build
     else:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": 64, "save": 1}
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, save=1), "save": 1}
         # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
         hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
         w, vnew = _empty(2, T, Hv, V, device=dev, dtype=dt)
