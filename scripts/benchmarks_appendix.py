@@ -49,8 +49,9 @@ FlashQLA's backward was re-timed on an H200 in the same session: `bench/results/
 Distance to the goals: backward geomean {sb['qla']:.2f}x FlashQLA (min {sb['qla_min']:.2f}; issue goal: every row
 >= 1.0x), {sb['best']:.2f}x the best peer (product goal 1.2x); forward geomean {sf['qla']:.2f}x FlashQLA (min
 {sf['qla_min']:.2f}), {sf['best']:.2f}x the best peer (goals 1.0x on every row / 1.3x). The recompute pass alone is
-about FlashQLA's whole backward on most rows (the forward's pre-kernels plus the save build of the recurrence;
-in the forward's ncu profile gdn_prepare was the largest pre-kernel). gdn_bwd_chunk runs one CTA per SM
+about FlashQLA's whole backward on most rows; ncu on hk16_hv32 8k_1seq (`bench/results/ncu_bwd_8k_1seq_h200.txt`):
+gdn_prepare 0.21 ms (222 registers, 12.5% occupancy), gdn_qk 0.07 ms, the gdn_fwd save build 0.47 ms at 64 CTAs
+(measured before the V-block-32 save build, which brought the row from 2.10 to 2.00 ms). gdn_bwd_chunk runs one CTA per SM
 (211 registers at 256 threads, 115 KB smem: ncu shows 12.5% occupancy, IPC 0.93, DRAM 20%, so latency-bound; V-block loads not pipelined); gdn_bwd_dh walks each chain serially like the
 forward, with no intra-card CP.
 """
