@@ -19,7 +19,7 @@ C = 64
 BV = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-THREADS = 512
+THREADS = 256
 LOG2E = 1.4426950408889634
 
 
