@@ -6,7 +6,8 @@
    dh, X = dL/dVnew and dV; dh0 at the end.
 3. gdn_bwd_chunk turns those into dq, dk, dbeta, dg per (chunk, v-head), fused (the math is
    flash_qla.chunk_grads', whose batched-torch form `_chunk_parallel` is the CPU-tested specification);
-   the GVA groups' dq/dk are summed and l2norm (when asked) is differentiated by autograd.
+   one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass), and l2norm
+   (when asked) is differentiated by autograd.
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -75,12 +76,13 @@ def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
 
 
 def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
-    """gdn_bwd_chunk: one CTA per (chunk slot, v-head); dq / dk per v-head in fp32, summed per GVA group."""
+    """gdn_bwd_chunk: one CTA per (chunk slot, q/k head); dq / dk come out summed over the GVA group."""
     dev = do.device
     T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
-    dq, dk = ops._empty(2, T, Hv, K, device=dev, dtype=torch.float32)
+    dt = saved["q"].dtype
+    dq, dk = ops._empty(2, T, Hq, K, device=dev, dtype=dt)
     dbeta, dg = ops._empty(2, T, Hv, device=dev, dtype=torch.float32)
-    beta_p, do_p = ops._packed(beta.float()), ops._packed(do.to(saved["q"].dtype))  # held until launched
+    beta_p, do_p = ops._packed(beta.float()), ops._packed(do.to(dt))  # held until launched
     ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev, saved["sizes"],
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": beta_p.data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
@@ -89,8 +91,6 @@ def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
                  "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "cu_seqlens": saved["cu"].data_ptr(),
                  "chunk_offsets": saved["offsets"].data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(),
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr()})
-    if Hv != Hq:
-        dq, dk = dq.unflatten(1, (Hq, Hv // Hq)).sum(2), dk.unflatten(1, (Hq, Hv // Hq)).sum(2)
     return dq, dk, dbeta, dg
 
 

@@ -42,7 +42,7 @@ FlashQLA's backward was re-timed on an H200 in the same session: `bench/results/
 
 ## Backward: where the time goes (H200, eager medians, `scripts/backward_stages.py`)
 
-| row | recompute ms (plan, prepare, qk, gdn_fwd save build) | gdn_bwd_dh ms | gdn_bwd_chunk ms (+ GVA sum) | sum ms |
+| row | recompute ms (plan, prepare, qk, gdn_fwd save build) | gdn_bwd_dh ms | gdn_bwd_chunk ms (GVA sums inside) | sum ms |
 | --- | ---: | ---: | ---: | ---: |
 {rows}
 

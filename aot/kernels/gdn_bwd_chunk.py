@@ -10,8 +10,9 @@ flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in b
     dbeta_j = sum_i dAgb Gamma A (col) + sum_j dL K K^T (row)
     dgamma  = the exp factors' row / column sums; gamma_last takes et's and eg_last's; dg = reverse cumsum.
 Rows past the sequence end hold the next sequence's (finite) rows: every C x C term is masked to the
-valid causal pairs and row outputs are stored for valid rows only. dq / dk are per v-head (fp32); the
-caller sums a GVA group.
+valid causal pairs and row outputs are stored for valid rows only. One CTA per (chunk, q/k head) walks the
+GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
+extra pass over memory and is deterministic.
 """
 import tilelang.language as T
 
@@ -47,13 +48,13 @@ def build(dtype: str, K: int, V: int):
         dhs: T.Tensor((TC // C, Hv, K, V), dt),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
-        dq: T.Tensor((NT, Hv, K), "float32"),
-        dk: T.Tensor((NT, Hv, K), "float32"),
+        dq: T.Tensor((NT, Hq, K), dt),
+        dk: T.Tensor((NT, Hq, K), dt),
         dbeta: T.Tensor((NT, Hv), "float32"),
         dg: T.Tensor((NT, Hv), "float32"),
         scale: T.float32,
     ):
-        with T.Kernel(T.ceildiv(NT, C) + N, Hv, threads=THREADS) as (bc, h):
+        with T.Kernel(T.ceildiv(NT, C) + N, Hq, threads=THREADS) as (bc, hk):
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             a_s = T.alloc_shared((C, C), dt)
@@ -71,6 +72,8 @@ def build(dtype: str, K: int, V: int):
             dg_s = T.alloc_shared((C,), "float32")
             dgc_s = T.alloc_shared((C,), "float32")  # the scan's output (not in place)
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
+            dqa_s = T.alloc_shared((C, K), "float32")  # dq, dk summed over the GVA group's v-heads
+            dka_s = T.alloc_shared((C, K), "float32")
             dqf = T.alloc_fragment((C, K), "float32")
             dkf = T.alloc_fragment((C, K), "float32")
             dks = T.alloc_fragment((C, K), "float32")
@@ -94,7 +97,6 @@ def build(dtype: str, K: int, V: int):
             hi = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
-            hk = T.alloc_var("int32")
             valid = T.alloc_var("int32")
 
             lo = 0
@@ -109,136 +111,143 @@ def build(dtype: str, K: int, V: int):
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
                 eos = cu_seqlens[lo + 1]
-                hk = h // (Hv // Hq)
                 valid = T.min(eos - t0, C)
                 T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
-                T.copy(A[t0:t0 + C, h, :], a_s)
-                for i in T.Parallel(C):
-                    gam_s[i] = gam_t[h, bc * C + i]
-                    b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
-                    dg_s[i] = 0.0
-                    db_s[i] = 0.0
-                T.clear(dqf)
-                T.clear(dkf)
-                T.clear(dks)
-                T.clear(dP)
-                T.clear(dAgb)
-                T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
-                for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
-                    v0 = vb * BV
-                    T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
-                    T.copy(w[t0:t0 + C, h, v0:v0 + BV], w_s)
-                    T.copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s)
-                    T.copy(x[t0:t0 + C, h, v0:v0 + BV], x_s)
-                    T.copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s)
-                    T.copy(hs[bc, h, :, v0:v0 + BV], h_s)
-                    T.copy(dhs[bc, h, :, v0:v0 + BV], dh_s)
-                    T.gemm(do_s, h_s, dqf, transpose_B=True)
-                    T.gemm(dw_s, h_s, dkf, transpose_B=True)
-                    T.gemm(vn_s, dh_s, dks, transpose_B=True)
-                    T.gemm(do_s, vn_s, dP, transpose_B=True)
-                    T.gemm(x_s, w_s, dAgb, transpose_B=True)
-                    T.gemm(h_s, dh_s, cc, transpose_A=True)
-                for i, j in T.Parallel(C, C):
-                    cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
-                T.reduce_sum(cc, rp, dim=1)
-                for i in T.Parallel(C):
-                    hd_s[i] = rp[i]
-                if T.get_thread_binding() == 0:
-                    hh = 0.0
-                    for i in T.serial(BV):
-                        hh += hd_s[i]
-
-                # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
-                # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
                 for i, d in T.Parallel(C, K):
-                    dqf[i, d] = dqf[i, d] * (scale * T.exp2(gam_s[i] * LOG2E))
-                    dks[i, d] = T.if_then_else(
-                        i < valid, dks[i, d] * T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
-                    dkf[i, d] = dks[i, d] - dkf[i, d] * T.exp2(gam_s[i] * LOG2E)
-                # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state -> r23, q.dq -> r1
-                for i, d in T.Parallel(C, K):
-                    dks[i, d] = dks[i, d] * k_s[i, d]
-                T.reduce_sum(dks, r3, dim=1)
-                for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
-                    r3_s[i] = r3[i]
-                for i, d in T.Parallel(C, K):
-                    dks[i, d] = dkf[i, d] * k_s[i, d]
-                T.reduce_sum(dks, r23, dim=1)
-                for i in T.Parallel(C):
-                    dg_s[i] += r23[i]
-                for i, d in T.Parallel(C, K):
-                    dks[i, d] = dqf[i, d] * q_s[i, d]
-                T.reduce_sum(dks, r1, dim=1)
-                for i in T.Parallel(C):
-                    dg_s[i] += r1[i] - 2.0 * r3_s[i]
+                    dqa_s[i, d] = 0.0
+                    dka_s[i, d] = 0.0
+                for r in T.serial(Hv // Hq):  # the group's v-heads in order: deterministic sums
+                    h = hk * (Hv // Hq) + r
+                    T.copy(A[t0:t0 + C, h, :], a_s)
+                    for i in T.Parallel(C):
+                        gam_s[i] = gam_t[h, bc * C + i]
+                        b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
+                        dg_s[i] = 0.0
+                        db_s[i] = 0.0
+                    T.clear(dqf)
+                    T.clear(dkf)
+                    T.clear(dks)
+                    T.clear(dP)
+                    T.clear(dAgb)
+                    T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
+                    for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
+                        v0 = vb * BV
+                        T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
+                        T.copy(w[t0:t0 + C, h, v0:v0 + BV], w_s)
+                        T.copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s)
+                        T.copy(x[t0:t0 + C, h, v0:v0 + BV], x_s)
+                        T.copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s)
+                        T.copy(hs[bc, h, :, v0:v0 + BV], h_s)
+                        T.copy(dhs[bc, h, :, v0:v0 + BV], dh_s)
+                        T.gemm(do_s, h_s, dqf, transpose_B=True)
+                        T.gemm(dw_s, h_s, dkf, transpose_B=True)
+                        T.gemm(vn_s, dh_s, dks, transpose_B=True)
+                        T.gemm(do_s, vn_s, dP, transpose_B=True)
+                        T.gemm(x_s, w_s, dAgb, transpose_B=True)
+                        T.gemm(h_s, dh_s, cc, transpose_A=True)
+                    for i, j in T.Parallel(C, C):
+                        cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
+                    T.reduce_sum(cc, rp, dim=1)
+                    for i in T.Parallel(C):
+                        hd_s[i] = rp[i]
+                    if T.get_thread_binding() == 0:
+                        hh = 0.0
+                        for i in T.serial(BV):
+                            hh += hd_s[i]
 
-                # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
-                T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    dP[i, j] = T.if_then_else(
-                        i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
-                    m_s[i, j] = T.cast(dP[i, j], dt)
-                    cc[i, j] = dP[i, j] * cc[i, j]
-                T.reduce_sum(cc, rp, dim=1)
-                for i in T.Parallel(C):
-                    dg_s[i] += rp[i]
-                T.reduce_sum(cc, cp, dim=0)
-                for i in T.Parallel(C):
-                    dg_s[i] -= cp[i]
-                T.gemm(m_s, k_s, dqf)
-                T.gemm(m_s, q_s, dkf, transpose_A=True)
+                    # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
+                    # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
+                    for i, d in T.Parallel(C, K):
+                        dqf[i, d] = dqf[i, d] * (scale * T.exp2(gam_s[i] * LOG2E))
+                        dks[i, d] = T.if_then_else(
+                            i < valid, dks[i, d] * T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
+                        dkf[i, d] = dks[i, d] - dkf[i, d] * T.exp2(gam_s[i] * LOG2E)
+                    # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state -> r23, q.dq -> r1
+                    for i, d in T.Parallel(C, K):
+                        dks[i, d] = dks[i, d] * k_s[i, d]
+                    T.reduce_sum(dks, r3, dim=1)
+                    for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
+                        r3_s[i] = r3[i]
+                    for i, d in T.Parallel(C, K):
+                        dks[i, d] = dkf[i, d] * k_s[i, d]
+                    T.reduce_sum(dks, r23, dim=1)
+                    for i in T.Parallel(C):
+                        dg_s[i] += r23[i]
+                    for i, d in T.Parallel(C, K):
+                        dks[i, d] = dqf[i, d] * q_s[i, d]
+                    T.reduce_sum(dks, r1, dim=1)
+                    for i in T.Parallel(C):
+                        dg_s[i] += r1[i] - 2.0 * r3_s[i]
 
-                # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
-                for i, j in T.Parallel(C, C):
-                    dAgb[i, j] = T.if_then_else(
-                        i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
-                    dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
-                    cc[i, j] = dP[i, j] * b_s[j]
-                    t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                T.reduce_sum(cc, ra, dim=1)
-                for i in T.Parallel(C):
-                    dg_s[i] += ra[i]
-                T.reduce_sum(cc, ca, dim=0)
-                for i in T.Parallel(C):
-                    dg_s[i] -= ca[i]
-                T.reduce_sum(dP, dbc, dim=0)
-                for i in T.Parallel(C):
-                    db_s[i] += dbc[i]
-                # dL = -strictLower(A^T dA A^T)
-                T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    m_s[i, j] = T.cast(dAgb[i, j], dt)
-                T.gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
-                    cc[i, j] = dP[i, j] * cc[i, j]
-                    t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
-                T.reduce_sum(cc, dbr, dim=1)
-                for i in T.Parallel(C):
-                    db_s[i] += dbr[i]
-                T.gemm(t_s, k_s, dkf)
-                T.gemm(t_s, k_s, dkf, transpose_A=True)
+                    # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
+                    T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dP[i, j] = T.if_then_else(
+                            i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
+                        m_s[i, j] = T.cast(dP[i, j], dt)
+                        cc[i, j] = dP[i, j] * cc[i, j]
+                    T.reduce_sum(cc, rp, dim=1)
+                    for i in T.Parallel(C):
+                        dg_s[i] += rp[i]
+                    T.reduce_sum(cc, cp, dim=0)
+                    for i in T.Parallel(C):
+                        dg_s[i] -= cp[i]
+                    T.gemm(m_s, k_s, dqf)
+                    T.gemm(m_s, q_s, dkf, transpose_A=True)
 
-                # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
-                # total and eg_last * sum(S * dS')
-                for i in T.Parallel(C):
-                    dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
-                if T.get_thread_binding() == 0:
-                    acc = T.exp2(gam_s[valid - 1] * LOG2E) * hh
-                    for i in T.serial(valid):
-                        acc += r3_s[i]
-                    dg_s[valid - 1] += acc
-                T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
-                for i in T.Parallel(C):
+                    # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
+                    for i, j in T.Parallel(C, C):
+                        dAgb[i, j] = T.if_then_else(
+                            i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                        dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                        cc[i, j] = dP[i, j] * b_s[j]
+                        t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
+                    T.reduce_sum(cc, ra, dim=1)
+                    for i in T.Parallel(C):
+                        dg_s[i] += ra[i]
+                    T.reduce_sum(cc, ca, dim=0)
+                    for i in T.Parallel(C):
+                        dg_s[i] -= ca[i]
+                    T.reduce_sum(dP, dbc, dim=0)
+                    for i in T.Parallel(C):
+                        db_s[i] += dbc[i]
+                    # dL = -strictLower(A^T dA A^T)
+                    T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        m_s[i, j] = T.cast(dAgb[i, j], dt)
+                    T.gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
+                        cc[i, j] = dP[i, j] * cc[i, j]
+                        t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
+                    T.reduce_sum(cc, dbr, dim=1)
+                    for i in T.Parallel(C):
+                        db_s[i] += dbr[i]
+                    T.gemm(t_s, k_s, dkf)
+                    T.gemm(t_s, k_s, dkf, transpose_A=True)
+
+                    # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
+                    # total and eg_last * sum(S * dS')
+                    for i in T.Parallel(C):
+                        dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
+                    if T.get_thread_binding() == 0:
+                        acc = T.exp2(gam_s[valid - 1] * LOG2E) * hh
+                        for i in T.serial(valid):
+                            acc += r3_s[i]
+                        dg_s[valid - 1] += acc
+                    T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
+                    for i in T.Parallel(C):
+                        if i < valid:
+                            dg[t0 + i, h] = dgc_s[i]
+                            dbeta[t0 + i, h] = db_s[i]
+                    for i, d in T.Parallel(C, K):  # each thread adds its own fragment elements
+                        dqa_s[i, d] += dqf[i, d]
+                        dka_s[i, d] += dkf[i, d]
+                for i, d in T.Parallel(C, K):
                     if i < valid:
-                        dg[t0 + i, h] = dgc_s[i]
-                        dbeta[t0 + i, h] = db_s[i]
-                for i, d in T.Parallel(C, K):
-                    if i < valid:
-                        dq[t0 + i, h, d] = dqf[i, d]
-                        dk[t0 + i, h, d] = dkf[i, d]
+                        dq[t0 + i, hk, d] = T.cast(dqa_s[i, d], dt)
+                        dk[t0 + i, hk, d] = T.cast(dka_s[i, d], dt)
 
     return gdn_bwd_chunk
