@@ -12,5 +12,5 @@ cd "$work" && {
   PYTHONPATH="$site" python3 -c "import flash_qla, sys; print('flash_qla from', flash_qla.__file__); assert flash_qla.__file__.startswith('$site')"
   PYTHONPATH="$site" python3 -c "import tilelang" 2>/dev/null && echo "FAIL: tilelang importable" || echo "tilelang: not importable"
   PYTHONPATH="$site" python3 -m flash_qla info | tail -4
-  PYTHONPATH="$site" python3 -m pytest -q -m gpu tests/test_gpu_forward.py tests/test_loader_gpu.py -p no:cacheprovider 2>&1 | tail -3
+  PYTHONPATH="$site" python3 -m pytest -q -m gpu tests/test_gpu_forward.py tests/test_gpu_backward.py tests/test_loader_gpu.py -p no:cacheprovider 2>&1 | tail -3
 } 2>&1 | tee "$OUT/gpu_wheel_tests.log"
