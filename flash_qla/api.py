@@ -59,6 +59,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if select_backend(q.device, backend) == "kernels":
+        if torch.compiler.is_compiling():  # one opaque custom op for torch.compile (flash_qla.torch_ops)
+            from . import torch_ops
+            return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state,
+                                                    cu_seqlens, use_qk_l2norm_in_kernel)
         return _kernel_ops().chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state,
                                                     cu_seqlens, use_qk_l2norm_in_kernel)
     return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
