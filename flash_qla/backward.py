@@ -58,7 +58,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
     dop = ops._packed(do.to(dt))
-    dv, x = ops._empty(2, T, Hv, V, device=dev, dtype=dt)
+    dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
     dhs = torch.zeros(saved["TC"] // ops.CHUNK, Hv, K, V, device=dev, dtype=dt)  # unused slots are read (x 0)
     dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dht_c = dht.float().contiguous() if dht is not None else None
@@ -80,8 +80,9 @@ def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
     dev = do.device
     T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
     dt = saved["q"].dtype
-    dq, dk = ops._empty(2, T, Hq, K, device=dev, dtype=dt)
-    dbeta, dg = ops._empty(2, T, Hv, device=dev, dtype=torch.float32)
+    # separate allocations: outputs that share a storage cannot be returned by a torch custom op (torch_ops)
+    dq, dk = (ops._empty(T, Hq, K, device=dev, dtype=dt) for _ in range(2))
+    dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
     beta_p, do_p = ops._packed(beta.float()), ops._packed(do.to(dt))  # held until launched
     ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev, saved["sizes"],
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
