@@ -1,0 +1,10 @@
+import cProfile, pstats, io, sys, torch
+sys.path.insert(0, "scripts")
+exec(open("scripts/host_overhead.py").read().split("def per_call_us")[0])
+f = lambda: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+for _ in range(50): f()
+torch.cuda.synchronize()
+pr = cProfile.Profile(); pr.enable()
+for _ in range(2000): f()
+pr.disable(); torch.cuda.synchronize()
+s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25); print(s.getvalue()[:6000])
