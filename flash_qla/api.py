@@ -17,6 +17,7 @@ from . import reference
 from .validation import Problem, validate_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
+_CAPABILITY: dict = {}
 
 
 def select_backend(device: torch.device, backend: str) -> str:
@@ -33,7 +34,10 @@ def select_backend(device: torch.device, backend: str) -> str:
     if device.type != "cuda":
         raise ValueError(f"flash_qla runs on CUDA (sm_90) or CPU tensors, got device {device}; "
                          f"pass backend='reference' to run the pure-PyTorch path there")
-    major, minor = torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:  # torch's query costs ~20 us per call; a device's capability never changes
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    major, minor = _CAPABILITY[index]
     if (major, minor) != (9, 0):
         raise RuntimeError(f"the kernels are built for sm_90a, found sm_{major}{minor} on {device}; "
                            f"pass backend='reference' to run the pure-PyTorch path there")
