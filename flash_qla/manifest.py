@@ -13,6 +13,7 @@ This module imports nothing heavy and never touches CUDA.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -116,6 +117,13 @@ def compile_expr(src: Any, allow_float: bool = False) -> Expr:
         raise ValueError("empty expression")
     if len(text) > MAX_EXPR_LEN:
         raise ValueError(f"expression longer than {MAX_EXPR_LEN} characters")
+    return _compile_text(text, allow_float)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_text(text: str, allow_float: bool) -> Expr:
+    """Cached per text: a manifest repeats the same few expressions thousands of times, and parsing it is
+    part of a process's first kernel call."""
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
@@ -127,7 +135,10 @@ def compile_expr(src: Any, allow_float: bool = False) -> Expr:
         raise ValueError(f"unsafe expression {text!r}: {e}") from None
     value = None
     if not names:
-        value = _compile_lambda([text], [tree], ())(())[0]  # constant-fold; may raise ZeroDivisionError
+        if isinstance(tree.body, ast.Constant) and type(tree.body.value) is int:
+            value = tree.body.value  # a literal: nothing to fold
+        else:
+            value = _compile_lambda([text], [tree], ())(())[0]  # constant-fold; may raise ZeroDivisionError
     return Expr(text, tree, tuple(sorted(names)), value)
 
 
