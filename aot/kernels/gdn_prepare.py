@@ -52,7 +52,6 @@ def build(dtype: str, K: int):
             lower = T.alloc_shared((C, C), "float32")
             b_s = T.alloc_shared((C,), "float32")
             gam = T.alloc_shared((C,), "float32")
-            g_s = T.alloc_shared((C,), "float32")
             col = T.alloc_local((C,), "float32")
             part = T.alloc_local((4,), "float32")
             lo = T.alloc_var("int32")
@@ -60,6 +59,7 @@ def build(dtype: str, K: int):
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
+            acc = T.alloc_var("float32")
 
             # sequence of this chunk: largest n with chunk_offsets[n] <= bc (binary search, 32 steps max)
             lo = 0
@@ -81,8 +81,12 @@ def build(dtype: str, K: int):
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 for i in T.Parallel(C):
                     b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
-                    g_s[i] = T.if_then_else(i < valid, g[t0 + i, h], 0.0)
-                T.cumsum(src=g_s, dst=gam, dim=0)  # one warp's scan; past the end gamma stays at the last value
+                    gam[i] = T.if_then_else(i < valid, g[t0 + i, h], 0.0)
+                if T.get_thread_binding() == 0:  # in-place cumsum; past the end gamma stays at the last value
+                    acc = 0.0
+                    for i in T.serial(C):
+                        acc += gam[i]
+                        gam[i] = acc
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     lower[i, j] = T.if_then_else(i > j, b_s[i] * kk[i, j], 0.0)
@@ -110,13 +114,14 @@ def build(dtype: str, K: int):
                 # its own pass: fused into the unrolled loop it keeps ~90 more registers live
                 for i in T.unroll(C):
                     lower[i, tid] = col[i]
-                for i, j in T.Parallel(C, C):  # one parallel pass: the stores no longer wait row by row
-                    if i < valid:
-                        agb[t0 + i, h, j] = T.if_then_else(
-                            i >= j, T.cast(lower[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * b_s[j], dt),
-                            T.cast(0, dt))
-                        if write_a != 0:
-                            A[t0 + i, h, j] = T.cast(lower[i, j], dt)
+                for i in T.serial(C):  # row by row (not unrolled: a fully unrolled 64x64 pass costs registers)
+                    for j in T.Parallel(C):
+                        if i < valid:
+                            agb[t0 + i, h, j] = T.if_then_else(
+                                i >= j, T.cast(lower[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * b_s[j], dt),
+                                T.cast(0, dt))
+                            if write_a != 0:
+                                A[t0 + i, h, j] = T.cast(lower[i, j], dt)
                 # every slot of the chunk's tile is written: the forward reads all 64
                 eg_t[h, bc * C + tid] = T.exp2(gam[tid] * LOG2E)
                 et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E), 0.0)
