@@ -49,7 +49,7 @@ def build(dtype: str, K: int):
         with T.Kernel(T.ceildiv(NT, C) + N, Hv, threads=THREADS) as (bc, h):
             k_s = T.alloc_shared((C, K), dt)
             kk = T.alloc_fragment((C, C), "float32")
-            lower = T.alloc_shared((C, C), "float32")
+            lower = T.alloc_shared((C, C + 4), "float32")  # padded rows: the MMA-layout stores hit 4.4-way bank conflicts (ncu)
             b_s = T.alloc_shared((C,), "float32")
             gam = T.alloc_shared((C,), "float32")
             col = T.alloc_local((C,), "float32")
