@@ -41,8 +41,9 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     with torch.no_grad():
         ops.forward(problem, q_run, k_run, v, g, beta, initial_state, False, cu_seqlens, False,
                     want_gate_free_inverse=True, saved=saved)
-        dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do, dht, initial_state is not None)
-        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, beta, do, x, dv, dhs)
+        do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
+        dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht, initial_state is not None)
+        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs)
     shape = (problem.batch, problem.tokens)
     dq, dk = dq.unflatten(0, shape), dk.unflatten(0, shape)
     if use_qk_l2norm:
@@ -52,12 +53,12 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
             dh0.to(initial_state.dtype) if initial_state is not None else None)
 
 
-def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
-    dev = do.device
+def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool):
+    """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype."""
+    dev = do_p.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
-    dop = ops._packed(do.to(dt))
     dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
     dhs = torch.zeros(saved["TC"] // ops.CHUNK, Hv, K, V, device=dev, dtype=dt)  # unused slots are read (x 0)
     dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
@@ -66,7 +67,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
     bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL)
     ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
                 dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0)),
-                {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": dop.data_ptr(),
+                {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),
                  "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
                  "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
                  "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
@@ -75,18 +76,17 @@ def _reverse_recurrence(problem: Problem, saved: dict, do, dht, want_dh0: bool):
     return dv, x, dhs, dh0
 
 
-def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
+def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     """gdn_bwd_chunk: one CTA per (chunk slot, q/k head); dq / dk come out summed over the GVA group."""
-    dev = do.device
+    dev = do_p.device
     T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
     dt = saved["q"].dtype
     # separate allocations: outputs that share a storage cannot be returned by a torch custom op (torch_ops)
     dq, dk = (ops._empty(T, Hq, K, device=dev, dtype=dt) for _ in range(2))
     dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
-    beta_p, do_p = ops._packed(beta.float()), ops._packed(do.to(dt))  # held until launched
     ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev, saved["sizes"],
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
-                 "beta": beta_p.data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
+                 "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
                  "vnew": saved["vnew"].data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
                  "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "cu_seqlens": saved["cu"].data_ptr(),
@@ -95,7 +95,7 @@ def _chunk_kernel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
     return dq, dk, dbeta, dg
 
 
-def _chunk_parallel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
+def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     """The same stage in batched torch GEMMs (flash_qla.chunk_grads): the CPU tests' specification."""
     T, Hq, Hv = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads
     ratio = Hv // Hq
@@ -103,12 +103,12 @@ def _chunk_parallel(problem: Problem, saved: dict, beta, do, x, dv, dhs):
     m = slot_map(saved["cu"], saved["offsets"], T, slots)
     qs = to_slots(saved["q"], m).repeat_interleave(ratio, dim=1)
     ks = to_slots(saved["k"], m).repeat_interleave(ratio, dim=1)
-    valid = to_slots(torch.ones(T, 1, device=do.device), m).expand(slots, Hv, ops.CHUNK)
+    valid = to_slots(torch.ones(T, 1, device=do_p.device), m).expand(slots, Hv, ops.CHUNK)
     gamma = saved["gam_t"].view(Hv, slots, ops.CHUNK).transpose(0, 1)
     dq, dk, dbeta, dgamma = chunk_gradients(
-        qs, ks, to_slots(ops._packed(do), m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
-        to_slots(x, m), to_slots(dv, m), saved["hs"].to(compute_dtype(saved["hs"])), dhs.to(compute_dtype(dhs)), to_slots(saved["A"], m),
-        to_slots(ops._packed(beta), m), gamma, valid, problem.scale)
+        qs, ks, to_slots(do_p, m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
+        to_slots(x, m), to_slots(dv, m), saved["hs"].to(compute_dtype(saved["hs"])), dhs.to(compute_dtype(dhs)),
+        to_slots(saved["A"], m), to_slots(saved["beta"], m), gamma, valid, problem.scale)
     dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2)
     dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2)
     return dq, dk, from_slots(dbeta, m), from_slots(reverse_chunk_cumsum(dgamma), m)

@@ -33,11 +33,17 @@ class SlotMap(NamedTuple):
     slots: int           # slot count (an upper bound of the chunk count: ceil(T / 64) + N)
 
 
-def slot_map(cu: torch.Tensor, chunk_offsets: torch.Tensor, tokens: int, slots: int) -> SlotMap:
-    """Token -> slot row on the device, with no host synchronisation (output_size is known)."""
+def token_positions(cu: torch.Tensor, tokens: int):
+    """(sequence index, position inside its sequence) of every packed token, int64, on cu's device with no
+    host synchronisation (output_size is known)."""
     lens = (cu[1:] - cu[:-1]).long()
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=tokens)
-    local = torch.arange(tokens, device=cu.device) - cu[seq].long()
+    return seq, torch.arange(tokens, device=cu.device) - cu[seq].long()
+
+
+def slot_map(cu: torch.Tensor, chunk_offsets: torch.Tensor, tokens: int, slots: int) -> SlotMap:
+    """Token -> slot row on the device."""
+    seq, local = token_positions(cu, tokens)
     return SlotMap(chunk_offsets[seq].long() * CHUNK + local, slots)
 
 

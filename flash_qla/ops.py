@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import loader
+from .chunk_grads import token_positions
 from .planner import plan_block_v
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
@@ -102,7 +103,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
-    the dict receives every intermediate the backward reads: agb, p, eg_t, et_t, gam_t, hs, w, vnew, TC."""
+    the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
+    et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag)."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -147,7 +149,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
         w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
         pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-        saved.update(q=qp, k=kp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC,
+        saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC,
                      A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
     _launch(FWD_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
             pointers, stream)
@@ -159,10 +161,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
 def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:
     """Chunk-local cumsum of g [T, Hv] on the device (float64 running sum, no host sync) -> [B, T, Hv] fp32."""
     T = g_packed.shape[0]
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=T)
+    _, local = token_positions(cu, T)
     t = torch.arange(T, device=cu.device)
-    start = cu[seq].long() + torch.div(t - cu[seq].long(), CHUNK, rounding_mode="floor") * CHUNK
+    start = t - local % CHUNK  # the token's chunk start
     cs = torch.cat([g_packed.new_zeros(1, g_packed.shape[1], dtype=torch.float64),
                     torch.cumsum(g_packed.double(), dim=0)])
     return (cs[t + 1] - cs[start]).float().unflatten(0, shape)
@@ -217,10 +218,8 @@ def chunk_local_diff(g_cumsum: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """Inverse of chunk_local_cumsum on the device: the raw g [B, T, Hv] back from its chunk-local cumsum."""
     shape = g_cumsum.shape[:2]
     gc = _packed(g_cumsum).float()
-    T = gc.shape[0]
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=T)
-    first = (torch.arange(T, device=cu.device) - cu[seq].long()) % CHUNK == 0
+    _, local = token_positions(cu, gc.shape[0])
+    first = local % CHUNK == 0
     prev = torch.cat([gc.new_zeros(1, gc.shape[1]), gc[:-1]])
     return torch.where(first[:, None], gc, gc - prev).unflatten(0, shape)
 

@@ -58,6 +58,6 @@ def emulate_chains(q, k, v, g, beta, h0, cu, scale, do, dht):
             dS = (eg_last[s] * dS + qs[s].transpose(-1, -2) @ (scale * eg[s][..., None] * dos[s])
                   - ks[s].transpose(-1, -2) @ (eg[s][..., None] * dW[s]))
         dh0[n] = dS
-    saved = dict(q=q, k=k, w=from_slots(W, m), vnew=from_slots(Vn, m), hs=hs, A=from_slots(A, m),
+    saved = dict(q=q, k=k, beta=beta, w=from_slots(W, m), vnew=from_slots(Vn, m), hs=hs, A=from_slots(A, m),
                  gam_t=gamma.transpose(0, 1).reshape(Hv, slots * CHUNK), TC=slots * CHUNK, cu=cu, offsets=offsets)
     return saved, from_slots(dW, m), from_slots(X, m), dhs, dh0

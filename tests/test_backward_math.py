@@ -35,7 +35,7 @@ def test_emulated_backward_matches_autograd(lengths, hq, hv, K, V, with_h0, with
 
     saved, dv, xx, dhs, dh0 = emulate_chains(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], h0, cu,
                                              problem.scale, do[0], dht)
-    dq, dk, dbeta, dg = _chunk_parallel(problem, saved, x["beta"], do, xx, dv, dhs)
+    dq, dk, dbeta, dg = _chunk_parallel(problem, saved, do[0], xx, dv, dhs)
 
     g_cumsum = reference.chunk_local_cumsum(x["g"], x["cu_seqlens"])
     want = api._reference_bwd(problem, x["q"], x["k"], x["v"], g_cumsum, x["beta"], do, dht, h0,

@@ -130,9 +130,10 @@ def test_fused_chunk_stage_matches_the_torch_specification(K, V):
     saved = {}
     ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
                 False, want_gate_free_inverse=True, saved=saved)
-    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do, dht, True)
-    fused = backward._chunk_kernel(problem, saved, x["beta"], do, xx, dv, dhs)
-    spec = backward._chunk_parallel(problem, saved, x["beta"], do, xx, dv, dhs)
+    do_p = ops._packed(do)
+    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht, True)
+    fused = backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)
+    spec = backward._chunk_parallel(problem, saved, do_p, xx, dv, dhs)
     errs = {n: reference.relative_l2(a, b) for n, a, b in zip(("dq", "dk", "dbeta", "dg"), fused, spec)}
     print("fused vs torch chunk stage", K, V, {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(e < 1e-2 for e in errs.values()), errs
