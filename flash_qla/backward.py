@@ -64,7 +64,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool
     dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dht_c = dht.float().contiguous() if dht is not None else None
     tag = saved["tag"]
-    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL)
+    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL, mode=None)
     ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
                 dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0)),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),

@@ -17,9 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import loader
+from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import plan_block_v
+from .planner import CHAIN_COST, plan_block_v
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
@@ -41,19 +41,37 @@ def supported_head_dims() -> set:
     return _CACHE["dims"]
 
 
-def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL, save: int = 0) -> int:
-    """The V block of a chain kernel (gdn_fwd and its save build, gdn_bwd_dh): planned from the built blocks
-    and the SM count."""
-    if FORCE_BLOCK_V is not None:
-        return FORCE_BLOCK_V
-    key = ("bv", kernel, save, tag, problem.head_dim_k, problem.head_dim_v)
-    if key not in _CACHE:
-        _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
-                       if (v["dtype"], v["K"], v["V"]) == key[3:] and v.get("save", 0) == save]
-    built = _CACHE[key]
+def _num_sms(device: torch.device) -> int:
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return plan_block_v(problem.num_seqs, problem.num_v_heads, problem.head_dim_v, built, _SMS[device.index])
+    return _SMS[device.index]
+
+
+def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int) -> list:
+    key = ("bv", kernel, mode, tag, K, V)
+    if key not in _CACHE:
+        _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
+                       if (v["dtype"], v["K"], v["V"]) == key[3:] and v.get("mode") == mode]
+    return _CACHE[key]
+
+
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL, mode: Optional[str] = "out",
+             chains_per_head: Optional[int] = None) -> int:
+    """The V block of a chain kernel (gdn_fwd's builds, gdn_bwd_dh): planned from the built blocks and the SM
+    count, for chains_per_head (sequence or CP segment) chains per v-head."""
+    if FORCE_BLOCK_V is not None:
+        return FORCE_BLOCK_V
+    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
+    seqs = problem.num_seqs if chains_per_head is None else chains_per_head
+    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device))
+
+
+def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
+    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py)."""
+    built = _built_blocks(FWD_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v)
+    costs = {bv: CHAIN_COST.get(bv, bv / 64) for bv in built}
+    return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), costs)
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -140,11 +158,19 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
+    # not read by the out and save builds
+    pointers.update(start=cu.data_ptr(), fallback=cu.data_ptr())
+    L = _segment_chunks(problem, tag, dev) if saved is None else None
+    if L is not None:
+        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, beta=bp, gam_t=gam_t, cu=cu, offsets=offsets,
+                                                                 h0=h0, o=o, ht=ht), output_final_state, stream)
+        shape = (problem.batch, problem.tokens)
+        return o.view(*shape, Hv, V), ht, (A.view(*shape, Hv, CHUNK) if A is not None else None), (cu, offsets)
     if saved is None:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "save": 0}
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
         pointers.update(hs=o.data_ptr(), w=o.data_ptr(), vnew=o.data_ptr())  # not touched by this build
     else:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, save=1), "save": 1}
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, mode="save"), "mode": "save"}
         # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
         hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
         w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
@@ -156,6 +182,57 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    key = ("side", device.index)
+    if key not in _CACHE:
+        _CACHE[key] = torch.cuda.Stream(device)
+    return _CACHE[key]
+
+
+def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
+                stream) -> torch.Tensor:
+    """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd
+    over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
+    dev = t["k"].device
+    Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
+    T = problem.batch * problem.tokens
+    seg = cp.segment_tables(t["cu"], t["offsets"], T, L)
+    S = seg.count
+    start, fallback = cp.warmup_tables(seg, t["gam_t"], t["k"], t["beta"], Hv // problem.num_qk_heads)
+    z = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
+    m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
+    pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
+               fallback=fallback.data_ptr())
+    seg_sizes = dict(sizes, N=S, use_h0=0, store_ht=1)
+    # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
+    # (fork / join by events, so a CUDA graph captures them as parallel branches)
+    main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+    side.wait_stream(main)
+    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
+            dict(pre, ht=z.data_ptr()), stream)
+    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
+            dict(pre, ht=m.data_ptr()), side.cuda_stream)
+    main.wait_stream(side)
+    for buf in (m, start, fallback, seg.cu, seg.slot):
+        buf.record_stream(side)
+    h_in = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
+    h0 = t["h0"]
+    _launch("gdn_cp_combine", {"K": K, "V": V}, dev, {"Hv": Hv, "N": N, "S": S, "use_h0": int(h0 is not None)},
+            {"z": z.data_ptr(), "m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
+             "h0": (h0 if h0 is not None else z).data_ptr(), "h_in": h_in.data_ptr()}, stream)
+    ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
+    bv = _block_v(problem, tag, dev, chains_per_head=S)
+    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
+            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
+            dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
+                 ht=ht_seg.data_ptr(), hs=t["o"].data_ptr(), w=t["o"].data_ptr(), vnew=t["o"].data_ptr()), stream)
+    if not output_final_state:
+        return t["ht"]
+    final = ht_seg[seg.last.clamp(min=0)]
+    empty = (seg.last < 0)[:, None, None, None]  # a zero-length sequence keeps its initial state
+    return torch.where(empty, h0 if h0 is not None else torch.zeros_like(final), final)
 
 
 def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:

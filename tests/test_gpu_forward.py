@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import ops, reference
+from flash_qla import cp, ops, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +49,7 @@ def variants():
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)  # the plain path; tests/test_gpu_cp.py covers CP
 
 
 @pytest.mark.parametrize("case", sorted(LENGTHS))

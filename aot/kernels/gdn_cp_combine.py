@@ -1,0 +1,60 @@
+"""Intra-card CP, the serial step: each segment's entering state from its predecessors' pre-pass results.
+
+Per (sequence, v-head, 16 V columns) one CTA walks the sequence's segments in order (flash_qla/cp.py):
+    h_in[first] = h0 (or 0)
+    h_in[s]     = Z[s] + (fallback[s] ? M[s] h_in[s-1] : 0)
+where Z[s] is the state-only chain over the warm-up before segment s from S = 0, and M[s] that range's
+exact transition (only for heads whose decay does not bound the warm-up). fp32 FMAs (no tf32), so the
+combination adds no error beyond the chains'. Segments of one sequence are contiguous, seg_base[n] is
+the first of sequence n's.
+"""
+import tilelang.language as T
+
+VARIANTS = {"K": [64, 128], "V": [64, 128, 256]}
+THREADS = 1024  # 2 outputs per thread at K = 128: the serial chain of loads and FMAs per step is what costs
+BVC = 16  # V columns per CTA: K x 16 outputs (each a K-long fp32 dot product)
+
+
+def build(K: int, V: int):
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+    S = T.dynamic("S")  # segment slots (an upper bound of the segment count)
+
+    @T.prim_func
+    def gdn_cp_combine(
+        z: T.Tensor((S, Hv, K, V), "float32"),
+        m: T.Tensor((S, Hv, K, K), "float32"),
+        fallback: T.Tensor((S, Hv), "int32"),
+        seg_base: T.Tensor((N + 1,), "int32"),
+        h0: T.Tensor((N, Hv, K, V), "float32"),
+        h_in: T.Tensor((S, Hv, K, V), "float32"),
+        use_h0: T.int32,
+    ):
+        with T.Kernel(V // BVC, Hv, N, threads=THREADS) as (bv, h, n):
+            hs = T.alloc_shared((K, BVC), "float32")
+            acc = T.alloc_fragment((K, BVC), "float32")
+            s0 = T.alloc_var("int32")
+            s1 = T.alloc_var("int32")
+            s0 = seg_base[n]
+            s1 = seg_base[n + 1]
+            v0 = bv * BVC
+            if s1 > s0:
+                if use_h0 != 0:
+                    T.copy(h0[n, h, :, v0:v0 + BVC], hs)
+                else:
+                    T.clear(hs)
+                T.copy(hs, h_in[s0, h, :, v0:v0 + BVC])
+                for i in T.serial(s1 - s0 - 1):
+                    seg = s0 + 1 + i
+                    if fallback[seg, h] != 0:
+                        for r, c in T.Parallel(K, BVC):
+                            acc[r, c] = z[seg, h, r, v0 + c]
+                            for kk in T.serial(K):
+                                acc[r, c] += m[seg, h, r, kk] * hs[kk, c]
+                    else:
+                        for r, c in T.Parallel(K, BVC):
+                            acc[r, c] = z[seg, h, r, v0 + c]
+                    T.copy(acc, hs)
+                    T.copy(hs, h_in[seg, h, :, v0:v0 + BVC])
+
+    return gdn_cp_combine

@@ -1,0 +1,135 @@
+"""Gate-driven intra-card context parallelism (CP) for the forward.
+
+When sequences x v-heads cannot fill the GPU (one long sequence, few heads), each sequence is cut into
+segments of L chunks that run in parallel:
+  1. pre-pass (gdn_fwd, mode "state"): for every segment s after a sequence's first, the state-only chain
+     from S = 0 over the last w chunks of segment s - 1 (the warm-up) -> Z[s];
+     (mode "trans", fallback heads only) the exact transition M[s] of segment s - 1 -> M[s];
+  2. gdn_cp_combine: h_in[s] = Z[s] + (fallback ? M[s] h_in[s-1] : 0), serially over a sequence's segments;
+  3. gdn_fwd (mode "out") over the segments as independent sequences from h_in; the final state is the
+     last segment's.
+Warm-up bound: with Phi the transition over w chunks, ||Phi||_2 <= exp(sum of g over them) as long as
+every token's factor (I - beta k k^T) is non-expansive, i.e. 0 <= beta ||k||^2 <= 2. w is the fewest
+trailing chunks of segment s - 1 whose summed g is <= WARMUP_LOG_DECAY (-10): dropping Phi S then errs by
+at most e^-10 ~ 4.5e-5 of the state entering the warm-up, below bf16 resolution (2^-8). A (segment, head)
+whose previous segment never decays that far (g = 0 heads), or has a token with beta ||k||^2 outside
+[0, 2], falls back to the exact transition (w = L, M computed), so CP meets the non-CP tolerances.
+Everything is computed on the device (no host synchronisation): the segment tables are padded to an
+upper bound of the segment count, and padding segments are empty.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+CHUNK = 64
+WARMUP_LOG_DECAY = -10.0
+SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)  # candidate segment lengths L, in chunks
+PRE_PASS_COST = 0.6   # a state-only chain chunk (3 GEMMs, no output) relative to a forward chunk (5 GEMMs)
+FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does not bound the warm-up
+COMBINE_COST = 0.6    # one serial combine step, in forward-chunk times (~1.5 us vs ~2.6 us on an H200)
+LAUNCH_COST = 4.0     # the two extra launches and the table ops, in forward-chunk times
+FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
+
+
+def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
+                        num_sms: int, chain_cost: dict) -> Optional[int]:
+    """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
+    the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
+    time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
+    pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
+    warm-ups of the others being a few chunks; the serial combine; the extra launches)."""
+    if FORCE_SEGMENT_CHUNKS is not None:
+        return FORCE_SEGMENT_CHUNKS or None
+    if tokens == 0 or num_seqs == 0:
+        return None
+    per_seq = math.ceil(tokens / CHUNK / num_seqs)
+
+    def chains_time(chains: int, length: float, bv_costs: dict) -> float:
+        return min(math.ceil(chains * (head_dim_v // bv) / num_sms) * length * c for bv, c in bv_costs.items()
+                   if bv <= head_dim_v)
+
+    plain = chains_time(num_seqs * num_v_heads, per_seq, chain_cost)
+    best, best_l = plain, None
+    for L in SEGMENT_CHUNKS:
+        if L >= per_seq:
+            break
+        per_seq_segments = math.ceil(per_seq / L)
+        segments = num_seqs * per_seq_segments
+        main = chains_time(segments * num_v_heads, L, chain_cost)
+        pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * FALLBACK_SHARE
+        pre = max(1, math.ceil(pre_chains / num_sms)) * L * PRE_PASS_COST
+        t = main + pre + per_seq_segments * COMBINE_COST + LAUNCH_COST
+        if t < best:
+            best, best_l = t, L
+    return best_l
+
+
+def max_segments(tokens: int, num_seqs: int, L: int) -> int:
+    """An upper bound of sum over sequences of ceil(chunks_n / L), from sizes the host knows."""
+    return (math.ceil(tokens / CHUNK) + num_seqs + L - 1) // L + num_seqs
+
+
+@dataclass
+class Segments:
+    L: int
+    cu: torch.Tensor        # [S + 1] int32: token where segment i starts (padding: tokens)
+    slot: torch.Tensor      # [S + 1] int32: chunk slot of segment i's first chunk
+    base: torch.Tensor      # [N + 1] int32: first segment of sequence n
+    first: torch.Tensor     # [S] bool: segment i starts its sequence (or is padding): no warm-up
+    last: torch.Tensor      # [N] int64: last segment of sequence n (-1: empty sequence)
+
+    @property
+    def count(self) -> int:
+        return self.first.numel()
+
+
+def segment_tables(cu: torch.Tensor, offsets: torch.Tensor, tokens: int, L: int) -> Segments:
+    """cu, offsets: [N + 1] int32 on the device (cu_seqlens and gdn_plan's chunk offsets)."""
+    N = cu.numel() - 1
+    S = max_segments(tokens, N, L)
+    cu64, off64 = cu.long(), offsets.long()
+    nseg = (off64[1:] - off64[:-1] + L - 1) // L
+    base = torch.cat([nseg.new_zeros(1), torch.cumsum(nseg, 0)])
+    i = torch.arange(S, device=cu.device)
+    n = torch.searchsorted(base[1:], i, right=True).clamp(max=max(N - 1, 0))
+    j = i - base[n]
+    valid = i < base[N]
+    seg_cu = torch.where(valid, cu64[n] + j * (L * CHUNK), tokens)
+    seg_slot = torch.where(valid, off64[n] + j * L, off64[N])
+    tail_cu, tail_slot = seg_cu.new_full((1,), tokens), off64[N:]
+    return Segments(L=L, cu=torch.cat([seg_cu, tail_cu]).int(), slot=torch.cat([seg_slot, tail_slot]).int(),
+                    base=base.int(), first=(j == 0) | ~valid, last=torch.where(nseg > 0, base[1:] - 1, -1))
+
+
+def warmup_tables(seg: Segments, gam_t: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, ratio: int):
+    """(start [S, Hv] int32: the token where segment s's warm-up begins, fallback [S, Hv] int32).
+
+    gam_t: gdn_prepare's chunk-local cumulative g, [Hv, slots * 64] (row 63 of a full chunk = its sum of g);
+    k [T, Hq, K] and beta [T, Hv] (packed) decide whether the decay bound holds (0 <= beta |k|^2 <= 2)."""
+    L, S = seg.L, seg.count
+    Hv = gam_t.shape[0]
+    totals = gam_t.view(Hv, -1, CHUNK)[:, :, CHUNK - 1]                      # [Hv, slots]
+    prev = (seg.slot[:S, None].long() - L + torch.arange(L, device=gam_t.device)).clamp(min=0)
+    suffix = totals[:, prev].flip(-1).cumsum(-1)                              # [Hv, S, L]: last w chunks' g
+    hit = suffix <= WARMUP_LOG_DECAY
+    decays = hit.any(-1)
+    w = torch.where(decays, hit.int().argmax(-1) + 1, L)                      # [Hv, S]
+    # tokens whose factor may expand the state void the bound for the segment they sit in (counted per
+    # segment with one index_add: a cumsum over tokens is a slow outer-dimension scan)
+    T = k.shape[0]
+    kk = torch.linalg.vector_norm(k, dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))
+    kk = kk.square().repeat_interleave(ratio, 1)  # [T, Hv]
+    bad = ((beta * kk > 2.0) | (beta < 0)).float()
+    owner = torch.searchsorted(seg.cu, torch.arange(T, device=k.device, dtype=torch.int32), right=True) - 1
+    per_seg = torch.zeros(S + 1, Hv, device=k.device).index_add_(0, owner.clamp(0, S), bad)
+    expands = per_seg[(torch.arange(S, device=k.device) - 1).clamp(min=0)] > 0   # in the previous segment
+    end = seg.cu[:S].long()
+    fallback = (~decays.T | expands) & ~seg.first[:, None]
+    w = torch.where(fallback, L, w.T)
+    w = torch.where(seg.first[:, None], 0, w)
+    start = (end[:, None] - w * CHUNK).int()
+    return start.contiguous(), fallback.int().contiguous()

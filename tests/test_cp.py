@@ -1,0 +1,113 @@
+"""Intra-card CP on the CPU: the planner, the device-side segment and warm-up tables, and the whole CP
+algebra (warm-up truncation, exact fallback, serial combine) in float64 against the token recurrence.
+The kernels themselves (gdn_fwd's state/trans builds, gdn_cp_combine) are checked on the GPU."""
+import pytest
+import torch
+
+from flash_qla import cp
+from flash_qla.chunk_grads import CHUNK, slot_map, to_slots
+from flash_qla.planner import CHAIN_COST
+from flash_qla.reference import recurrent_gated_delta_rule
+from gdn_inputs import hard_inputs, random_cu_seqlens
+
+COSTS = {32: CHAIN_COST[32], 64: CHAIN_COST[64]}
+
+
+@pytest.mark.parametrize("tokens,n,hv,want_cp", [
+    (32768, 1, 8, True),      # TP8 1x32768: 32 chains on 132 SMs
+    (32768, 2, 8, True),      # TP8 28672+4096
+    (8192, 1, 8, True),       # TP8 1x8192
+    (32768, 8, 64, False),    # TP1 4096x8: 8 waves already
+    (32768, 1, 64, False),    # TP1 1x32768: 128 chains fill the GPU
+    (64, 1, 8, False),        # one chunk: nothing to split
+])
+def test_planner(tokens, n, hv, want_cp):
+    L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, COSTS)
+    assert (L is not None) == want_cp
+    if L is not None:
+        assert L in cp.SEGMENT_CHUNKS and L < tokens // CHUNK
+
+
+def _tables(lengths, L):
+    cu = random_cu_seqlens(lengths)
+    chunks = [-(-n // CHUNK) for n in lengths]
+    offsets = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
+    return cu, offsets, cp.segment_tables(cu, offsets, int(cu[-1]), L)
+
+
+@pytest.mark.parametrize("lengths,L", [([1, 200, 64 * 7 + 5, 0, 65, 300], 2), ([4096], 16), ([0], 4), ([63, 64, 65], 1)])
+def test_segment_tables(lengths, L):
+    cu, offsets, seg = _tables(lengths, L)
+    T = int(cu[-1])
+    S = seg.count
+    assert S >= sum(-(-(-(-n // CHUNK)) // L) for n in lengths)
+    starts, slots = seg.cu.tolist(), seg.slot.tolist()
+    assert starts[-1] == T and all(a <= b for a, b in zip(starts, starts[1:]))
+    for n, length in enumerate(lengths):
+        b0, b1 = int(seg.base[n]), int(seg.base[n + 1])
+        assert b1 - b0 == -(-(-(-length // CHUNK)) // L)
+        assert int(seg.last[n]) == (b1 - 1 if b1 > b0 else -1)
+        for j, s in enumerate(range(b0, b1)):
+            assert starts[s] == int(cu[n]) + j * L * CHUNK and slots[s] == int(offsets[n]) + j * L
+            assert bool(seg.first[s]) == (j == 0)
+            end = starts[s + 1]
+            assert end == min(int(cu[n]) + (j + 1) * L * CHUNK, int(cu[n + 1]))
+    assert all(starts[s] == T and bool(seg.first[s]) for s in range(int(seg.base[-1]), S))
+
+
+def _gam_t(g, cu, offsets, T):
+    """gdn_prepare's chunk-local cumulative g tiles, [Hv, slots * 64] (gamma stays at the last value)."""
+    N = cu.numel() - 1
+    slots = -(-T // CHUNK) + N
+    gs = to_slots(g, slot_map(cu, offsets, T, slots))          # [slots, Hv, 64]
+    return gs.cumsum(-1).permute(1, 0, 2).reshape(g.shape[1], -1)
+
+
+def _run(q, k, v, g, beta, h0, lo, hi, h):
+    """Token recurrence of v-head h over packed tokens [lo, hi) from h0 [K, V]: (o, final state)."""
+    sl = slice(lo, hi)
+    hk = h // (v.shape[2] // q.shape[2])
+    o, st = recurrent_gated_delta_rule(q[:, sl, hk:hk + 1], k[:, sl, hk:hk + 1], v[:, sl, h:h + 1],
+                                       g[:, sl, h:h + 1], beta[:, sl, h:h + 1], scale=1.0,
+                                       initial_state=h0[None, None], output_final_state=True)
+    return o[0, :, 0], st[0, 0]
+
+
+@pytest.mark.parametrize("unit_keys", [True, False])
+def test_cp_algebra_matches_the_recurrence(unit_keys):
+    """CP as the kernels do it, with the token recurrence standing in for each chain, equals the plain
+    recurrence to within the warm-up bound (e^-10 of the state), fallback heads exactly."""
+    lengths, L, hq, hv, K, V = [1, 200, 64 * 9 + 5, 65, 330], 2, 2, 4, 8, 8
+    x = hard_inputs(lengths, hq, hv, K, V, unit_keys=unit_keys)
+    q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    g = g / 40  # weak enough that some heads need several warm-up chunks, head 0 never decays
+    cu, offsets, seg = _tables(lengths, L)
+    T = int(cu[-1])
+    start, fallback = cp.warmup_tables(seg, _gam_t(g[0], cu, offsets, T), k[0], beta[0], hv // hq)
+    assert bool(fallback[:, 0][~seg.first].all())             # g = 0: never bounded
+    if unit_keys:
+        assert not bool(fallback[:, -1].any())                # strongest decay: always a warm-up
+    else:
+        assert bool(fallback[~seg.first].all())               # |k| != 1 voids the bound everywhere
+    o_ref, ht_ref = recurrent_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0,
+                                               output_final_state=True, cu_seqlens=cu)
+    o = torch.zeros_like(o_ref[0])
+    eye = torch.eye(K, dtype=torch.float64)
+    for n in range(len(lengths)):
+        for h in range(hv):
+            entering = h0[n, h]  # h_in of the previous segment, as gdn_cp_combine carries it
+            for s in range(int(seg.base[n]), int(seg.base[n + 1])):
+                lo, hi = int(seg.cu[s]), int(seg.cu[s + 1])
+                if not bool(seg.first[s]):
+                    a, b = int(start[s, h]), lo
+                    _, z = _run(q, k, v, g, beta, torch.zeros(K, V, dtype=torch.float64), a, b, h)
+                    if fallback[s, h]:
+                        _, m = _run(q, k, torch.zeros_like(v), g, beta, eye, a, b, h)
+                        entering = z + m @ entering
+                    else:
+                        assert float(g[0, a:b, h].sum()) <= cp.WARMUP_LOG_DECAY + 1e-9
+                        entering = z
+                o[lo:hi, h], state = _run(q, k, v, g, beta, entering, lo, hi, h)
+            err = (state - ht_ref[n, h]).norm() / ht_ref[n, h].norm()
+            assert err < 1e-4, (n, h, float(err))
+    assert float((o - o_ref[0]).norm() / o_ref[0].norm()) < 1e-4

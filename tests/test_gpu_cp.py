@@ -1,0 +1,70 @@
+"""Intra-card CP forward (flash_qla/cp.py) on the GPU: forced segment lengths against the float64
+reference, with the hard cases (g = 0 heads take the exact fallback, strong decay a one-chunk warm-up),
+NaN-poisoned outputs, repeat determinism and the planner's own choice on a benchmark-like shape."""
+import pytest
+import torch
+
+import flash_qla
+from flash_qla import cp, ops, reference
+from test_gpu_forward import TOL, draw, fp64_reference
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [1, 63, 64, 65, 130, 700, 0, 333]
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+
+
+def cp_variants():
+    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants("gdn_fwd")
+                   if v["mode"] == "state"})
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("variant", cp_variants())
+def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
+    tag, K, V = variant
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", L)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    for (hq, hv), h0 in (((2, 6), True), ((3, 3), False)):
+        x = draw(LENGTHS, hq, hv, K, V, dtype, seed=K + V + hv + L, h0=h0)
+        o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
+        o_ref, ht_ref = fp64_reference(x)
+        assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, "o")
+        assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, "final_state")
+        if h0:  # the empty sequence keeps its initial state
+            assert torch.equal(ht[6], x["initial_state"][6])
+
+
+def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 2)
+    x = draw(LENGTHS, 2, 6, 128, 128, torch.bfloat16, seed=3)
+    o0, ht0 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    for _ in range(100):
+        o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+        assert torch.equal(o, o0) and torch.equal(ht, ht0)
+
+
+def test_planned_cp_on_a_benchmark_shape():
+    """TP8 1x8192 with the benchmark's distribution: the planner picks CP, and its result meets the same
+    tolerance against the fp64 reference as the plain forward's."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    T, hq, hv, D = 8192, 2, 8, 128
+    q = torch.nn.functional.normalize(torch.randn(1, T, hq, D, device="cuda", generator=gen), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, T, hq, D, device="cuda", generator=gen), dim=-1).bfloat16()
+    v = torch.randn(1, T, hv, D, device="cuda", generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, hv, device="cuda", generator=gen)) / 16
+    g[..., :2] = 0.0  # a quarter of the heads do not decay
+    beta = torch.rand(1, T, hv, device="cuda", generator=gen)
+    h0 = torch.randn(1, hv, D, D, device="cuda", generator=gen)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    x = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
+    problem = flash_qla.validation.validate_inputs(q, k, v, g, beta, None, h0, cu)
+    assert ops._segment_chunks(problem, "bf16", q.device) is not None
+    o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    o_ref, ht_ref = fp64_reference(x)
+    assert reference.relative_l2(o, o_ref) <= 1e-2 and reference.relative_l2(ht, ht_ref) <= 1e-2
