@@ -105,28 +105,22 @@ def segment_tables(cu: torch.Tensor, offsets: torch.Tensor, tokens: int, L: int)
                     base=base.int(), first=(j == 0) | ~valid, last=torch.where(nseg > 0, base[1:] - 1, -1))
 
 
-def warmup_tables(seg: Segments, gam_t: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, ratio: int):
+def warmup_tables(seg: Segments, gam_t: torch.Tensor, bkk_t: torch.Tensor):
     """(start [S, Hv] int32: the token where segment s's warm-up begins, fallback [S, Hv] int32).
 
-    gam_t: gdn_prepare's chunk-local cumulative g, [Hv, slots * 64] (row 63 of a full chunk = its sum of g);
-    k [T, Hq, K] and beta [T, Hv] (packed) decide whether the decay bound holds (0 <= beta |k|^2 <= 2)."""
+    gdn_prepare's chunk-aligned tiles [Hv, slots * 64]: gam_t, the chunk-local cumulative g (row 63 of a full
+    chunk = its sum of g), and bkk_t, beta |k|^2 per token (-1 past a sequence's end): whether every factor
+    (I - beta k k^T) of the previous segment is non-expansive, which the decay bound needs."""
     L, S = seg.L, seg.count
     Hv = gam_t.shape[0]
     totals = gam_t.view(Hv, -1, CHUNK)[:, :, CHUNK - 1]                      # [Hv, slots]
+    worst = bkk_t.view(Hv, -1, CHUNK).amax(-1)                               # [Hv, slots]
     prev = (seg.slot[:S, None].long() - L + torch.arange(L, device=gam_t.device)).clamp(min=0)
     suffix = totals[:, prev].flip(-1).cumsum(-1)                              # [Hv, S, L]: last w chunks' g
     hit = suffix <= WARMUP_LOG_DECAY
     decays = hit.any(-1)
     w = torch.where(decays, hit.int().argmax(-1) + 1, L)                      # [Hv, S]
-    # tokens whose factor may expand the state void the bound for the segment they sit in (counted per
-    # segment with one index_add: a cumsum over tokens is a slow outer-dimension scan)
-    T = k.shape[0]
-    kk = torch.linalg.vector_norm(k, dim=-1, dtype=torch.promote_types(k.dtype, torch.float32))
-    kk = kk.square().repeat_interleave(ratio, 1)  # [T, Hv]
-    bad = ((beta * kk > 2.0) | (beta < 0)).float()
-    owner = torch.searchsorted(seg.cu, torch.arange(T, device=k.device, dtype=torch.int32), right=True) - 1
-    per_seg = torch.zeros(S + 1, Hv, device=k.device).index_add_(0, owner.clamp(0, S), bad)
-    expands = per_seg[(torch.arange(S, device=k.device) - 1).clamp(min=0)] > 0   # in the previous segment
+    expands = (worst[:, prev].amax(-1) > 2.0).T                              # [S, Hv]
     end = seg.cu[:S].long()
     fallback = (~decays.T | expands) & ~seg.first[:, None]
     w = torch.where(fallback, L, w.T)

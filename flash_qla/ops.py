@@ -140,7 +140,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
-    eg_t, et_t, gam_t = (_empty(Hv, TC, device=dev, dtype=torch.float32) for _ in range(3))
+    eg_t, et_t, gam_t, bkk_t = (_empty(Hv, TC, device=dev, dtype=torch.float32) for _ in range(4))
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -150,7 +150,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(),
-             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr()}, stream)
+             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr(),
+             "bkk_t": bkk_t.data_ptr()}, stream)
     _launch("gdn_qk", {"dtype": tag, "K": K}, dev, sizes,
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "gam_t": gam_t.data_ptr(), "cu_seqlens": cu.data_ptr(),
              "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()}, stream)
@@ -162,7 +163,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     pointers.update(start=cu.data_ptr(), fallback=cu.data_ptr())
     L = _segment_chunks(problem, tag, dev) if saved is None else None
     if L is not None:
-        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, beta=bp, gam_t=gam_t, cu=cu, offsets=offsets,
+        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_t=bkk_t, cu=cu, offsets=offsets,
                                                                  h0=h0, o=o, ht=ht), output_final_state, stream)
         shape = (problem.batch, problem.tokens)
         return o.view(*shape, Hv, V), ht, (A.view(*shape, Hv, CHUNK) if A is not None else None), (cu, offsets)
@@ -200,7 +201,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     T = problem.batch * problem.tokens
     seg = cp.segment_tables(t["cu"], t["offsets"], T, L)
     S = seg.count
-    start, fallback = cp.warmup_tables(seg, t["gam_t"], t["k"], t["beta"], Hv // problem.num_qk_heads)
+    start, fallback = cp.warmup_tables(seg, t["gam_t"], t["bkk_t"])
     z = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
     m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
     pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),

@@ -55,12 +55,17 @@ def test_segment_tables(lengths, L):
     assert all(starts[s] == T and bool(seg.first[s]) for s in range(int(seg.base[-1]), S))
 
 
-def _gam_t(g, cu, offsets, T):
-    """gdn_prepare's chunk-local cumulative g tiles, [Hv, slots * 64] (gamma stays at the last value)."""
+def _tiles(g, k, beta, cu, offsets, T, ratio):
+    """gdn_prepare's chunk-aligned tiles [Hv, slots * 64]: the chunk-local cumulative g (gamma stays at the
+    last value past the end) and beta |k|^2 per token (-1 where no token sits)."""
     N = cu.numel() - 1
-    slots = -(-T // CHUNK) + N
-    gs = to_slots(g, slot_map(cu, offsets, T, slots))          # [slots, Hv, 64]
-    return gs.cumsum(-1).permute(1, 0, 2).reshape(g.shape[1], -1)
+    m = slot_map(cu, offsets, T, -(-T // CHUNK) + N)
+    Hv = g.shape[1]
+    gam = to_slots(g, m).cumsum(-1).permute(1, 0, 2).reshape(Hv, -1)
+    bkk = beta * k.square().sum(-1).repeat_interleave(ratio, 1)
+    valid = to_slots(torch.ones(T, Hv, dtype=g.dtype), m) > 0
+    bkk = torch.where(valid, to_slots(bkk, m), -1.0).permute(1, 0, 2).reshape(Hv, -1)
+    return gam, bkk
 
 
 def _run(q, k, v, g, beta, h0, lo, hi, h):
@@ -83,7 +88,7 @@ def test_cp_algebra_matches_the_recurrence(unit_keys):
     g = g / 40  # weak enough that some heads need several warm-up chunks, head 0 never decays
     cu, offsets, seg = _tables(lengths, L)
     T = int(cu[-1])
-    start, fallback = cp.warmup_tables(seg, _gam_t(g[0], cu, offsets, T), k[0], beta[0], hv // hq)
+    start, fallback = cp.warmup_tables(seg, *_tiles(g[0], k[0], beta[0], cu, offsets, T, hv // hq))
     assert bool(fallback[:, 0][~seg.first].all())             # g = 0: never bounded
     if unit_keys:
         assert not bool(fallback[:, -1].any())                # strongest decay: always a warm-up

@@ -3,7 +3,8 @@
 Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_i - gamma_j) (i >= j):
   A    = (I + strictLower(diag(beta) K K^T))^-1, the gate-free inverse (FlashQLA's A; stored on request),
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
-  eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), and gamma itself
+  eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
+  beta_i |k_i|^2 (the diagonal of diag(beta) K K^T, for intra-card CP's warm-up bound)
 (P = scale * Gamma * tril(Q K^T) is gdn_qk's, which shares Q K^T across a GVA group).
 The recurrence kernel (gdn_fwd) then keeps only the state-dependent chain. One CTA of 64 threads per
 (chunk, v-head); chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of sequence n,
@@ -43,6 +44,7 @@ def build(dtype: str, K: int):
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
+        bkk_t: T.Tensor((Hv, TC), "float32"),
         write_a: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit
@@ -52,6 +54,7 @@ def build(dtype: str, K: int):
             lower = T.alloc_shared((C, C + 4), "float32")  # padded rows: the MMA-layout stores hit 4.4-way bank conflicts (ncu)
             b_s = T.alloc_shared((C,), "float32")
             gam = T.alloc_shared((C,), "float32")
+            bkk = T.alloc_shared((C,), "float32")
             col = T.alloc_local((C,), "float32")
             part = T.alloc_local((4,), "float32")
             lo = T.alloc_var("int32")
@@ -90,6 +93,8 @@ def build(dtype: str, K: int):
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     lower[i, j] = T.if_then_else(i > j, b_s[i] * kk[i, j], 0.0)
+                    if i == j:
+                        bkk[i] = b_s[i] * kk[i, j]
                 tid = T.get_thread_binding()
                 # column `tid` of A: x_i = [i == tid] - sum_{j<i} L_ij x_j, the sum split over 4 accumulators.
                 # x_i = 0 for i < tid, so warp 1 (columns 32..63) starts at row 32: a warp-uniform branch
@@ -126,5 +131,8 @@ def build(dtype: str, K: int):
                 eg_t[h, bc * C + tid] = T.exp2(gam[tid] * LOG2E)
                 et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E), 0.0)
                 gam_t[h, bc * C + tid] = gam[tid]
+                # beta |k|^2 per token: whether the token's factor (I - beta k k^T) can expand the state (CP's
+                # warm-up bound needs 0 <= beta |k|^2 <= 2; flash_qla/cp.py); -1 (harmless) past the end
+                bkk_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, bkk[tid]), -1.0)
 
     return gdn_prepare
