@@ -16,6 +16,9 @@ whose previous segment never decays that far (g = 0 heads), or has a token with 
 [0, 2], falls back to the exact transition (w = L, M computed), so CP meets the non-CP tolerances.
 Everything is computed on the device (no host synchronisation): the segment tables are padded to an
 upper bound of the segment count, and padding segments are empty.
+CP is planned only while a CUDA graph is being captured: the tables are ~50 small torch ops, ~1.2 ms of
+host time per call on the H200 machine, more than CP saves an eager caller (measured: TP8 1x32768 eager
+1.28 ms either way, TP8 1x8192 eager 0.34 -> 1.27 ms). One table kernel would lift this (not built yet).
 """
 from __future__ import annotations
 
@@ -31,12 +34,12 @@ SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)  # candidate segment lengths L, in ch
 PRE_PASS_COST = 0.6   # a state-only chain chunk (3 GEMMs, no output) relative to a forward chunk (5 GEMMs)
 FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does not bound the warm-up
 COMBINE_COST = 0.6    # one serial combine step, in forward-chunk times (~1.5 us vs ~2.6 us on an H200)
-LAUNCH_COST = 4.0     # the two extra launches and the table ops, in forward-chunk times
+LAUNCH_COST = 40.0    # the extra launches and the ~50 small table ops on the GPU (~0.1 ms on an H200)
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
-                        num_sms: int, chain_cost: dict) -> Optional[int]:
+                        num_sms: int, chain_cost: dict, capturing: bool = True) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -44,7 +47,7 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     warm-ups of the others being a few chunks; the serial combine; the extra launches)."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
-    if tokens == 0 or num_seqs == 0:
+    if not capturing or tokens == 0 or num_seqs == 0:
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
 

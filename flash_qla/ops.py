@@ -71,7 +71,8 @@ def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optiona
     built = _built_blocks(FWD_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v)
     costs = {bv: CHAIN_COST.get(bv, bv / 64) for bv in built}
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), costs)
+                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), costs,
+                                  capturing=torch.cuda.is_current_stream_capturing())
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,15 @@ COSTS = {32: CHAIN_COST[32], 64: CHAIN_COST[64]}
     (32768, 8, 64, False),    # TP1 4096x8: 8 waves already
     (32768, 1, 64, False),    # TP1 1x32768: 128 chains fill the GPU
     (64, 1, 8, False),        # one chunk: nothing to split
+    (8192, 4, 8, False),      # TP8 8192x4: measured slower with CP
 ])
 def test_planner(tokens, n, hv, want_cp):
     L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, COSTS)
     assert (L is not None) == want_cp
     if L is not None:
         assert L in cp.SEGMENT_CHUNKS and L < tokens // CHUNK
+    # eager calls never plan CP (the tables' host cost exceeds what it saves)
+    assert cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, COSTS, capturing=False) is None
 
 
 def _tables(lengths, L):
