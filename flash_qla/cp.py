@@ -34,7 +34,8 @@ SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)  # candidate segment lengths L, in ch
 PRE_PASS_COST = 0.6   # a state-only chain chunk (3 GEMMs, no output) relative to a forward chunk (5 GEMMs)
 FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does not bound the warm-up
 COMBINE_COST = 0.6    # one serial combine step, in forward-chunk times (~1.5 us vs ~2.6 us on an H200)
-LAUNCH_COST = 40.0    # the extra launches and the ~50 small table ops on the GPU (~0.1 ms on an H200)
+LAUNCH_COST = 60.0    # the extra launches and the ~50 small table ops on the GPU (~0.1-0.15 ms on an H200; at 40
+                      # the planner took 2B-TP1 1x8192, measured 0.433 ms with CP vs 0.404 without)
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
