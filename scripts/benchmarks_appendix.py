@@ -52,8 +52,23 @@ Distance to the goals: backward geomean {sb['qla']:.2f}x FlashQLA (min {sb['qla_
 about FlashQLA's whole backward on most rows; ncu on hk16_hv32 8k_1seq (`bench/results/ncu_bwd_8k_1seq_h200.txt`):
 gdn_prepare 0.21 ms (222 registers, 12.5% occupancy), gdn_qk 0.07 ms, the gdn_fwd save build 0.47 ms at 64 CTAs
 (measured before the V-block-32 save build, which brought the row from 2.10 to 2.00 ms). gdn_bwd_chunk runs one CTA per SM
-(211 registers at 256 threads, 115 KB smem: ncu shows 12.5% occupancy, IPC 0.93, DRAM 20%, so latency-bound; V-block loads not pipelined); gdn_bwd_dh walks each chain serially like the
-forward, with no intra-card CP.
+(211 registers at 256 threads, 115 KB smem: ncu shows 12.5% occupancy, IPC 0.93, DRAM 20%, so latency-bound; V-block loads not pipelined); gdn_bwd_dh walks each chain serially, with no
+intra-card CP in the backward yet.
+
+## Forward: intra-card CP and where the time goes
+
+The forward's graph rows use intra-card CP where the planner (`flash_qla/cp.py`) expects it to pay: TP8 1x32768
+1.28 -> 0.66 ms, 28672+4096 1.14 -> 0.66, 16384+16384 0.74 -> 0.64, 1x8192 0.338 -> 0.317, 2B-TP1 1x32768
+1.54 -> 1.20 ms. Eager calls do not plan CP (its tables are ~50 small torch ops, ~1.2 ms of host time), which is
+why eager exceeds graph by ~0.6 ms on those rows. Measured and rejected by the planner's cost model: TP8 8192x4
+(0.48 plain vs 0.64 with CP), TP2 1x32768 (1.81 vs 2.02), 2B-TP1 1x8192 (0.404 vs 0.433), and the 1x2048 rows
+(the ~0.1 ms of table kernels exceed the gain). With CP on TP8 1x32768 (torch.profiler): gdn_fwd launches 0.38 ms
+(pre-pass and segments), gdn_prepare 0.16, gdn_qk 0.04, gdn_cp_combine 0.04, table ops ~0.1; FlashQLA's whole
+CP forward is 0.32-0.39 ms.
+
+Kernel split against FlashQLA (`bench/results/kernel_split_ours_h200.jsonl`, `kernel_split_qla_h200.jsonl`, before CP): TP1 4096x8
+gdn_prepare 1.15 ms + gdn_qk 0.32 vs kkt_solve 0.44; gdn_fwd 1.39 vs the fused forward 0.80. Backward
+hk16_hv32 8k_1seq: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82).
 """
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text()
