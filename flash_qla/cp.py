@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .planner import chain_time
+
 CHUNK = 64
 WARMUP_LOG_DECAY = -10.0
 SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)  # candidate segment lengths L, in chunks
@@ -40,7 +42,7 @@ FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
-                        num_sms: int, chain_cost: dict, capturing: bool = True) -> Optional[int]:
+                        num_sms: int, blocks, capturing: bool = True) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -52,18 +54,17 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
 
-    def chains_time(chains: int, length: float, bv_costs: dict) -> float:
-        return min(math.ceil(chains * (head_dim_v // bv) / num_sms) * length * c for bv, c in bv_costs.items()
-                   if bv <= head_dim_v)
+    def chains_time(chains: int, length: float) -> float:  # with the best of the built V blocks
+        return length * min(chain_time(chains, head_dim_v, bv, num_sms) for bv in blocks if bv <= head_dim_v)
 
-    plain = chains_time(num_seqs * num_v_heads, per_seq, chain_cost)
+    plain = chains_time(num_seqs * num_v_heads, per_seq)
     best, best_l = plain, None
     for L in SEGMENT_CHUNKS:
         if L >= per_seq:
             break
         per_seq_segments = math.ceil(per_seq / L)
         segments = num_seqs * per_seq_segments
-        main = chains_time(segments * num_v_heads, L, chain_cost)
+        main = chains_time(segments * num_v_heads, L)
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * FALLBACK_SHARE
         pre = max(1, math.ceil(pre_chains / num_sms)) * L * PRE_PASS_COST
         t = main + pre + per_seq_segments * COMBINE_COST + LAUNCH_COST

@@ -19,7 +19,7 @@ import torch
 
 from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import CHAIN_COST, plan_block_v
+from .planner import plan_block_v
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
@@ -69,9 +69,8 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD
 def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
     """CP segment length (chunks) for this forward, or None (flash_qla/cp.py)."""
     built = _built_blocks(FWD_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v)
-    costs = {bv: CHAIN_COST.get(bv, bv / 64) for bv in built}
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), costs,
+                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
                                   capturing=torch.cuda.is_current_stream_capturing())
 
 
@@ -160,27 +159,23 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
-    # not read by the out and save builds
-    pointers.update(start=cu.data_ptr(), fallback=cu.data_ptr())
     L = _segment_chunks(problem, tag, dev) if saved is None else None
     if L is not None:
         ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_t=bkk_t, cu=cu, offsets=offsets,
                                                                  h0=h0, o=o, ht=ht), output_final_state, stream)
-        shape = (problem.batch, problem.tokens)
-        return o.view(*shape, Hv, V), ht, (A.view(*shape, Hv, CHUNK) if A is not None else None), (cu, offsets)
-    if saved is None:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
-        pointers.update(hs=o.data_ptr(), w=o.data_ptr(), vnew=o.data_ptr())  # not touched by this build
     else:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, mode="save"), "mode": "save"}
-        # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
-        hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
-        w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
-        pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-        saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC,
-                     A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
-    _launch(FWD_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-            pointers, stream)
+        if saved is None:
+            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
+        else:
+            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, mode="save"), "mode": "save"}
+            # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
+            hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
+            w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
+            pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
+            saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w,
+                         vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
+        _launch(FWD_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+                pointers, stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
@@ -229,7 +224,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
             dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
             dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
-                 ht=ht_seg.data_ptr(), hs=t["o"].data_ptr(), w=t["o"].data_ptr(), vnew=t["o"].data_ptr()), stream)
+                 ht=ht_seg.data_ptr()), stream)
     if not output_final_state:
         return t["ht"]
     final = ht_seg[seg.last.clamp(min=0)]

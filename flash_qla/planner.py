@@ -17,13 +17,15 @@ from typing import Iterable
 CHAIN_COST = {32: 0.86, 64: 1.0, 128: 2.06}  # relative per-chunk time of one chain (H200 measurements)
 
 
+def chain_time(chains: int, head_dim_v: int, bv: int, num_sms: int) -> float:
+    """Relative time per chunk of `chains` (sequence or CP segment, v-head) chains split into V blocks of bv:
+    waves x one chain's per-chunk cost."""
+    return math.ceil(chains * (head_dim_v // bv) / num_sms) * CHAIN_COST.get(bv, bv / 64)
+
+
 def plan_block_v(num_seqs: int, num_v_heads: int, head_dim_v: int, available: Iterable[int], num_sms: int) -> int:
     blocks = sorted(set(available))
     if not blocks:
         raise ValueError(f"no V block is built for V = {head_dim_v}")
-
-    def cost(bv: int) -> float:
-        waves = math.ceil(num_seqs * num_v_heads * (head_dim_v // bv) / num_sms)
-        return waves * CHAIN_COST.get(bv, bv / 64)
-
-    return min(reversed(blocks), key=cost)  # min keeps the first of equals: the widest block
+    # min keeps the first of equals: the widest block
+    return min(reversed(blocks), key=lambda bv: chain_time(num_seqs * num_v_heads, head_dim_v, bv, num_sms))
