@@ -11,14 +11,14 @@ from typing import Dict, List
 from .hashing import sha256_bytes, source_hash
 from .manifest_io import KERNEL_DIR, load_manifest, read_cubin, write_cubin, write_manifest
 from .toolchain import minimum_driver, nvcc_version, tilelang_version
-from .variants import ROOT, Variant, all_variants, build_prim_func
+from .variants import ROOT, Variant, all_variants, build_prim_func, pass_configs
 
 
 def _compile_one(v: Variant) -> Dict:
     """Worker: compile one variant (runs in a child process; imports TileLang there)."""
     sys.path.insert(0, str(ROOT))
     from aot.compile import compile_kernel
-    ck = compile_kernel(build_prim_func(v))
+    ck = compile_kernel(build_prim_func(v), pass_configs(v))
     return {"cubin": ck.cubin, "symbol": ck.symbol, "block": ck.block, "grid": ck.grid, "smem": ck.smem,
             "params": ck.params, "registers": ck.registers, "spills": ck.spills,
             "compile_seconds": round(ck.compile_seconds, 2)}

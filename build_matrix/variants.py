@@ -10,7 +10,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "aot" / "kernels"
 COMPILER = ROOT / "aot" / "compile.py"
-KERNELS = ("gdn_plan", "gdn_prepare", "gdn_qk", "gdn_fwd", "gdn_cp_combine", "gdn_bwd_dh", "gdn_bwd_chunk")
+KERNELS = ("gdn_plan", "gdn_prepare", "gdn_fwd", "gdn_cp_combine", "gdn_bwd_dh", "gdn_bwd_chunk")
 # a few variants CI can compile in minutes to prove the toolchain path
 SMOKE = {("gdn_prepare", "bf16.K128"), ("gdn_fwd", "bf16.K128.V128.BV64.modeout")}
 
@@ -73,6 +73,11 @@ def all_variants(subset: str = "full") -> List[Variant]:
     if subset not in ("full", "smoke"):
         raise ValueError(f"unknown subset {subset!r}: choose smoke or full")
     return out
+
+
+def pass_configs(v: Variant) -> Dict[str, object]:
+    """A kernel module's optional PASS_CONFIGS: TileLang pass options that module's builds need."""
+    return dict(_module_constant(v.kernel, "PASS_CONFIGS") or {})
 
 
 def build_prim_func(v: Variant):

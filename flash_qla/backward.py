@@ -1,6 +1,6 @@
 """The sm_90a GDN backward: recompute, reverse state recurrence, chunk-parallel gradients.
 
-1. Recompute the forward intermediates (gdn_plan, gdn_prepare, gdn_qk, then gdn_fwd's save build, which
+1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward.
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end.

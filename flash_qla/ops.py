@@ -2,10 +2,10 @@
 backward is flash_qla/backward.py; no torch.library registration yet).
 
 Every call is turned into one packed varlen problem (a dense batch B x T becomes B sequences of T
-tokens), then four launches on the caller's stream:
+tokens), then three launches on the caller's stream:
   gdn_plan     chunk offsets of the packed batch (one scan),
-  gdn_prepare  per (chunk, v-head): gamma, the gate-free inverse and Agb = Gamma * A * beta, exp factors,
-  gdn_qk       per (chunk, q/k head): P = scale * Gamma * tril(Q K^T), Q K^T shared by the GVA group,
+  gdn_prepare  per (chunk, v-head): gamma, the gate-free inverse and Agb = Gamma * A * beta,
+               P = scale * Gamma * tril(Q K^T), exp factors,
   gdn_fwd      per (sequence, v-head, V-block): the state recurrence.
 Nothing is read back to the host: chunk offsets are computed on the device, so a call can be captured
 in a CUDA graph.
@@ -147,14 +147,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     tag = _DTYPE_TAG[dt]
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None)),
-            {"k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
-             "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(),
+             "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr(),
              "bkk_t": bkk_t.data_ptr()}, stream)
-    _launch("gdn_qk", {"dtype": tag, "K": K}, dev, sizes,
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "gam_t": gam_t.data_ptr(), "cu_seqlens": cu.data_ptr(),
-             "chunk_offsets": offsets.data_ptr(), "p": pqk.data_ptr()}, stream)
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),

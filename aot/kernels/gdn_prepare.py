@@ -3,24 +3,34 @@
 Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_i - gamma_j) (i >= j):
   A    = (I + strictLower(diag(beta) K K^T))^-1, the gate-free inverse (FlashQLA's A; stored on request),
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
+  P    = scale * Gamma * tril(Q K^T),
   eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
-  beta_i |k_i|^2 (the diagonal of diag(beta) K K^T, for intra-card CP's warm-up bound)
-(P = scale * Gamma * tril(Q K^T) is gdn_qk's, which shares Q K^T across a GVA group).
-The recurrence kernel (gdn_fwd) then keeps only the state-dependent chain. One CTA of 64 threads per
+  beta_i |k_i|^2 (the diagonal of diag(beta) K K^T, for intra-card CP's warm-up bound).
+The recurrence kernel (gdn_fwd) then keeps only the state-dependent chain. One CTA of one warpgroup per
 (chunk, v-head); chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of sequence n,
 a device-side cumsum of ceil(len / 64)), nothing is read on the host.
-Layouts: Agb, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
+Layouts: Agb, P, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
 64-slot tiles per chunk, [Hv, chunk slot * 64 + row], so the forward streams each as one TMA tile.
-The solve is a forward substitution in fp32 with one column of A per thread in registers (fully unrolled,
-4 partial sums per row), L read from shared memory as broadcasts: no barrier between rows.
+
+The inverse is blocked (fp32 throughout, FMA only): the four 16 x 16 diagonal blocks are inverted by
+forward substitution in parallel (one thread per column, 16 rows deep instead of 64), then the blocks
+below the diagonal follow one diagonal at a time, A_rc = -A_rr sum_{m=c}^{r-1} L_rm A_mc, one warp per
+block with register tiles. The critical path is 7 short phases where the column-per-thread substitution
+over 64 rows was one 64-deep chain on two warps (with gdn_qk, measured 3.3x slower than FlashQLA's solve).
 """
 import tilelang.language as T
 
 C = 64
+B = 16            # diagonal block of the blocked inverse
+NB = C // B
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-THREADS = 64  # one thread per column of A: every thread works in the solve
-H = C // 2    # columns of the second warp
+THREADS = 128     # one warpgroup: the two 64 x 64 x K products are single wgmmas
+# Liveness-based shared-memory reuse (q / k tiles give way to L, P, the inverse): 50 KB instead of 80 KB,
+# four CTAs per SM instead of two. Safe here because every buffer that takes another's place is first
+# written in a statement after a CTA barrier that follows the last read of the other (unlike a
+# warp-specialised pipeline, where the producer writes while consumers read: gdn_fwd must not use it).
+PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True}
 LOG2E = 1.4426950408889634
 
 
@@ -34,6 +44,7 @@ def build(dtype: str, K: int):
 
     @T.prim_func
     def gdn_prepare(
+        q: T.Tensor((NT, Hq, K), dt),
         k: T.Tensor((NT, Hq, K), dt),
         g: T.Tensor((NT, Hv), "float32"),
         beta: T.Tensor((NT, Hv), "float32"),
@@ -41,22 +52,36 @@ def build(dtype: str, K: int):
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         A: T.Tensor((NT, Hv, C), dt),
         agb: T.Tensor((NT, Hv, C), dt),
+        p: T.Tensor((NT, Hv, C), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
         bkk_t: T.Tensor((Hv, TC), "float32"),
+        scale: T.float32,
         write_a: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit
         with T.Kernel(T.ceildiv(NT, C) + N, Hv, threads=THREADS) as (bc, h):
+            q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             kk = T.alloc_fragment((C, C), "float32")
-            lower = T.alloc_shared((C, C + 4), "float32")  # padded rows: the MMA-layout stores hit 4.4-way bank conflicts (ncu)
+            qk = T.alloc_fragment((C, C), "float32")
+            p_s = T.alloc_shared((C, C), dt)
+            # padded rows: the MMA-layout stores hit 4.4-way bank conflicts without (ncu)
+            lower = T.alloc_shared((C, C + 4), "float32")
+            ainv = T.alloc_shared((C, C + 4), "float32")
+            tmp = T.alloc_shared((C, B + 4), "float32")
+            graw = T.alloc_shared((C,), "float32")
             b_s = T.alloc_shared((C,), "float32")
             gam = T.alloc_shared((C,), "float32")
-            bkk = T.alloc_shared((C,), "float32")
-            col = T.alloc_local((C,), "float32")
-            part = T.alloc_local((4,), "float32")
+            x = T.alloc_local((B,), "float32")
+            out = T.alloc_local((8,), "float32")
+            lrow = T.alloc_local((8,), "float32")
+            brow = T.alloc_local((16,), "float32")
+            vals = T.alloc_local((8,), dt)
+            a8 = T.alloc_local((8,), "float32")
+            g8 = T.alloc_local((8,), "float32")
+            b8 = T.alloc_local((8,), "float32")
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
@@ -79,60 +104,125 @@ def build(dtype: str, K: int):
                 eos = cu_seqlens[lo + 1]
                 hk = h // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
                 valid = T.min(eos - t0, C)
-                # Unmasked k tile: rows past the sequence end (the next sequence's, or zero past T) only
-                # reach rows >= valid of K K^T, L and A, which are never stored nor read by valid rows.
+                tid = T.get_thread_binding()
+                # Unmasked q / k tiles: rows past the sequence end (the next sequence's, or zero past T) only
+                # reach rows >= valid of K K^T, Q K^T, L and A, which are never stored nor read by valid rows.
                 T.copy(k[t0:t0 + C, hk, :], k_s)
+                T.copy(q[t0:t0 + C, hk, :], q_s)
                 for i in T.Parallel(C):
                     b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
-                    gam[i] = T.if_then_else(i < valid, g[t0 + i, h], 0.0)
-                if T.get_thread_binding() == 0:  # in-place cumsum; past the end gamma stays at the last value
+                    graw[i] = T.if_then_else(i < valid, g[t0 + i, h], 0.0)
+                # gamma_i: each of 64 threads sums its prefix in order (the serial cumsum's rounding, no
+                # 64-step chain through shared memory); past the end gamma stays at the last value
+                if tid < C:
                     acc = 0.0
-                    for i in T.serial(C):
-                        acc += gam[i]
-                        gam[i] = acc
+                    for j in T.unroll(C):
+                        if j <= tid:
+                            acc += graw[j]
+                # every read of graw before any write of gam: the aggressive shared-memory merge below
+                # lets gam take graw's place
+                T.sync_threads()
+                if tid < C:
+                    gam[tid] = acc
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    lower[i, j] = T.if_then_else(i > j, b_s[i] * kk[i, j], 0.0)
-                    if i == j:
-                        bkk[i] = b_s[i] * kk[i, j]
-                tid = T.get_thread_binding()
-                # column `tid` of A: x_i = [i == tid] - sum_{j<i} L_ij x_j, the sum split over 4 accumulators.
-                # x_i = 0 for i < tid, so warp 1 (columns 32..63) starts at row 32: a warp-uniform branch
-                # that drops ~37% of the FMAs and shared loads.
-                if tid < H:
-                    for i in T.unroll(C):
-                        for r in T.unroll(4):
-                            part[r] = 0.0
+                    # the diagonal (beta |k|^2) rides along for bkk_t: the solve reads only j < i
+                    lower[i, j] = T.if_then_else(i >= j, b_s[i] * kk[i, j], 0.0)
+                    p_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(qk[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * scale, dt), T.cast(0, dt))
+                # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
+                # x_i = [i == col] - sum_{j<i} L_ij x_j within the block (x_i = 0 above the diagonal)
+                if tid < C:
+                    d0 = (tid // B) * B
+                    for i in T.unroll(B):
+                        acc = 0.0
                         for j in T.unroll(i):
-                            part[j % 4] += lower[i, j] * col[j]
-                        col[i] = T.if_then_else(i == tid, 1.0, -((part[0] + part[1]) + (part[2] + part[3])))
-                else:
-                    for i in T.unroll(H):
-                        col[i] = 0.0
-                    for i in T.unroll(H):
-                        for r in T.unroll(4):
-                            part[r] = 0.0
-                        for j in T.unroll(i):
-                            part[j % 4] += lower[H + i, H + j] * col[H + j]
-                        col[H + i] = T.if_then_else(H + i == tid, 1.0, -((part[0] + part[1]) + (part[2] + part[3])))
-                # park the column in shared memory (L is dead now) so the gated, scaled copy below runs as
-                # its own pass: fused into the unrolled loop it keeps ~90 more registers live
-                for i in T.unroll(C):
-                    lower[i, tid] = col[i]
-                for i in T.serial(C):  # row by row (not unrolled: a fully unrolled 64x64 pass costs registers)
-                    for j in T.Parallel(C):
-                        if i < valid:
-                            agb[t0 + i, h, j] = T.if_then_else(
-                                i >= j, T.cast(lower[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * b_s[j], dt),
-                                T.cast(0, dt))
-                            if write_a != 0:
-                                A[t0 + i, h, j] = T.cast(lower[i, j], dt)
+                            acc += lower[d0 + i, d0 + j] * x[j]
+                        x[i] = T.if_then_else(i == tid - d0, 1.0, -acc)
+                    for i in T.unroll(B):
+                        ainv[d0 + i, tid] = x[i]
+                # below the diagonal, one block diagonal at a time (d = block distance): first
+                # tmp_c = sum_{m=c}^{r-1} L_rm A_mc, then A_rc = -A_rr tmp_c, for r = d..3, c = r - d.
+                # Warp c owns block (r, c); each lane a 2 x 4 tile, so operands arrive as 16-byte shared
+                # loads (6 per 32 FMAs: scalar loads, 2 per FMA, saturated the shared-memory pipe, ncu)
+                warp = tid // 32
+                i0 = (tid % 32) // 4 * 2
+                j0 = tid % 4 * 4
+                for d in T.unroll(1, NB):
+                    if warp < NB - d:
+                        r = warp + d
+                        for u in T.unroll(8):
+                            out[u] = 0.0
+                        for m in T.unroll(d):
+                            for kx in T.unroll(0, B, 4):
+                                for rr in T.unroll(2):
+                                    for u in T.vectorized(4):
+                                        lrow[rr * 4 + u] = lower[r * B + i0 + rr, (warp + m) * B + kx + u]
+                                for kr in T.unroll(4):
+                                    for u in T.vectorized(4):
+                                        brow[kr * 4 + u] = ainv[(warp + m) * B + kx + kr, warp * B + j0 + u]
+                                for rr in T.unroll(2):
+                                    for kr in T.unroll(4):
+                                        for u in T.unroll(4):
+                                            out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+                        for rr in T.unroll(2):
+                            for u in T.vectorized(4):
+                                tmp[warp * B + i0 + rr, j0 + u] = out[rr * 4 + u]
+                    T.sync_threads()
+                    if warp < NB - d:
+                        r = warp + d
+                        for u in T.unroll(8):
+                            out[u] = 0.0
+                        for kx in T.unroll(0, B, 4):
+                            for rr in T.unroll(2):
+                                for u in T.vectorized(4):
+                                    lrow[rr * 4 + u] = ainv[r * B + i0 + rr, r * B + kx + u]
+                            for kr in T.unroll(4):
+                                for u in T.vectorized(4):
+                                    brow[kr * 4 + u] = tmp[warp * B + kx + kr, j0 + u]
+                            for rr in T.unroll(2):
+                                for kr in T.unroll(4):
+                                    for u in T.unroll(4):
+                                        out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+                        for rr in T.unroll(2):
+                            for u in T.vectorized(4):
+                                ainv[r * B + i0 + rr, warp * B + j0 + u] = -out[rr * 4 + u]
+                    T.sync_threads()
+                # outputs row by row: thread tid stores 32 columns of row tid // 2 as four 16-byte stores
+                # (TileLang's layout for the 64 x 64 pass stored 2 bytes per thread and instruction)
+                row = tid // 2
+                c0 = tid % 2 * (C // 2)
+                if row < valid:
+                    gr = gam[row]
+                    for cc in T.unroll(0, C // 2, 8):
+                        for half in T.unroll(2):
+                            for u in T.vectorized(4):
+                                a8[half * 4 + u] = ainv[row, c0 + cc + half * 4 + u]
+                                g8[half * 4 + u] = gam[c0 + cc + half * 4 + u]
+                                b8[half * 4 + u] = b_s[c0 + cc + half * 4 + u]
+                        for u in T.unroll(8):
+                            vals[u] = T.if_then_else(row >= c0 + cc + u,
+                                                     T.cast(a8[u] * T.exp2((gr - g8[u]) * LOG2E) * b8[u], dt),
+                                                     T.cast(0, dt))
+                        for u in T.vectorized(8):
+                            agb[t0 + row, h, c0 + cc + u] = vals[u]
+                        for u in T.vectorized(8):
+                            p[t0 + row, h, c0 + cc + u] = p_s[row, c0 + cc + u]
+                        if write_a != 0:
+                            for u in T.unroll(8):
+                                vals[u] = T.if_then_else(row >= c0 + cc + u, T.cast(a8[u], dt), T.cast(0, dt))
+                            for u in T.vectorized(8):
+                                A[t0 + row, h, c0 + cc + u] = vals[u]
                 # every slot of the chunk's tile is written: the forward reads all 64
-                eg_t[h, bc * C + tid] = T.exp2(gam[tid] * LOG2E)
-                et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E), 0.0)
-                gam_t[h, bc * C + tid] = gam[tid]
-                # beta |k|^2 per token: whether the token's factor (I - beta k k^T) can expand the state (CP's
-                # warm-up bound needs 0 <= beta |k|^2 <= 2; flash_qla/cp.py); -1 (harmless) past the end
-                bkk_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, bkk[tid]), -1.0)
+                if tid < C:
+                    eg_t[h, bc * C + tid] = T.exp2(gam[tid] * LOG2E)
+                    et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E),
+                                                           0.0)
+                    gam_t[h, bc * C + tid] = gam[tid]
+                    # beta |k|^2 per token: whether the token's factor (I - beta k k^T) can expand the state (CP's
+                    # warm-up bound needs 0 <= beta |k|^2 <= 2; flash_qla/cp.py); -1 (harmless) past the end
+                    bkk_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, lower[tid, tid]),
+                                                            -1.0)
 
     return gdn_prepare
