@@ -6,7 +6,7 @@ segments of L chunks that run in parallel:
      from S = 0 over the last w chunks of segment s - 1 (the warm-up) -> Z[s];
      (mode "trans", fallback heads only) the exact transition M[s] of segment s - 1 -> M[s];
   2. gdn_cp_combine: h_in[s] = Z[s] + (fallback ? M[s] h_in[s-1] : 0), serially over a sequence's segments;
-  3. gdn_fwd (mode "out") over the segments as independent sequences from h_in; the final state is the
+  3. gdn_fwd_st (the output pass) over the segments as independent sequences from h_in; the final state is the
      last segment's.
 Warm-up bound: with Phi the transition over w chunks, ||Phi||_2 <= exp(sum of g over them) as long as
 every token's factor (I - beta k k^T) is non-expansive, i.e. 0 <= beta ||k||^2 <= 2. w is the fewest

@@ -19,13 +19,14 @@ import torch
 
 from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import plan_block_v
+from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
-FWD_KERNEL = "gdn_fwd"  # the fused forward family in the manifest
-FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block to cover every built variant
+FWD_KERNEL = "gdn_fwd"     # the chain kernel's save / state / trans builds (backward recompute, CP pre-pass)
+OUT_KERNEL = "gdn_fwd_st"  # the output pass: o and the final state, transposed state in registers
+FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 _SMS: dict = {}
 # Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
 POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
@@ -55,20 +56,22 @@ def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int) ->
     return _CACHE[key]
 
 
-def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = FWD_KERNEL, mode: Optional[str] = "out",
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = None,
              chains_per_head: Optional[int] = None) -> int:
-    """The V block of a chain kernel (gdn_fwd's builds, gdn_bwd_dh): planned from the built blocks and the SM
-    count, for chains_per_head (sequence or CP segment) chains per v-head."""
-    if FORCE_BLOCK_V is not None:
-        return FORCE_BLOCK_V
+    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh): planned from the built
+    blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
+    v-head."""
     built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
+    if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
+        return FORCE_BLOCK_V
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
-    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device))
+    costs = OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
+    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), costs)
 
 
 def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
     """CP segment length (chunks) for this forward, or None (flash_qla/cp.py)."""
-    built = _built_blocks(FWD_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v)
+    built = _built_blocks(OUT_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v)
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
                                   capturing=torch.cuda.is_current_stream_capturing())
@@ -161,17 +164,19 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_t=bkk_t, cu=cu, offsets=offsets,
                                                                  h0=h0, o=o, ht=ht), output_final_state, stream)
     else:
+        kernel = OUT_KERNEL if saved is None else FWD_KERNEL
         if saved is None:
-            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
+            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}
         else:
-            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, mode="save"), "mode": "save"}
+            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save"),
+                       "mode": "save"}
             # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
             hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
             w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
             pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
             saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w,
                          vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
-        _launch(FWD_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+        _launch(kernel, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
                 pointers, stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
@@ -218,7 +223,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
              "h0": (h0 if h0 is not None else z).data_ptr(), "h_in": h_in.data_ptr()}, stream)
     ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)
-    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
+    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
             dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
             dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
                  ht=ht_seg.data_ptr()), stream)

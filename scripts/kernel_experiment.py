@@ -45,13 +45,18 @@ def graph_ms(fn, reps=20):
 
 
 def main(families):
+    """families: output-pass kernels (gdn_fwd_st), each at every built V block for K = V = 128 bf16, CP off."""
+    from flash_qla import cp, loader
+    cp.FORCE_SEGMENT_CHUNKS = 0
     for name, (hq, hv, lengths) in ROWS.items():
         q, k, v, g, beta, cu, h0 = inputs(hq, hv, lengths)
         p = validate_inputs(q, k, v, g, beta, None, h0, cu)
         out = []
         for fam in families:
-            for bv in (32, 64):
-                ops.FWD_KERNEL, ops.FORCE_BLOCK_V = fam, bv
+            blocks = sorted({b["BV"] for b in loader.library().variants(fam)
+                             if (b["dtype"], b["K"], b["V"]) == ("bf16", 128, 128)})
+            for bv in blocks:
+                ops.OUT_KERNEL, ops.FORCE_BLOCK_V = fam, bv
                 ms = graph_ms(lambda: ops.forward(p, q, k, v, g, beta, h0, True, cu, False))
                 out.append(f"{fam}/BV{bv} {ms:.3f}")
         print(f"{name:14s}", "  ".join(out), flush=True)

@@ -31,7 +31,7 @@ def test_changed_kernel_source_fails_check(tmp_path):
     src.write_text(src.read_text() + "\n# a change\n")
     r = _check(tree)
     assert r.returncode == 1
-    assert "gdn_fwd.bf16.K128.V128.BV64.modeout: stale" in r.stdout
+    assert "gdn_fwd.bf16.K128.V128.BV64.modesave: stale" in r.stdout
     assert "gdn_prepare.bf16.K128" not in r.stdout  # other kernels stay current
 
 

@@ -1,20 +1,29 @@
 """The V-block planner: fewest waves x chain cost; narrow only when it adds no wave."""
 import pytest
 
-from flash_qla.planner import plan_block_v
+from flash_qla.planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v
+
+
+@pytest.mark.parametrize("n,hv,V,blocks,want", [
+    (1, 8, 128, [64, 128], 64),      # TP8 1x32768: one wave either way, the narrow chain is cheaper
+    (8, 8, 128, [64, 128], 64),      # TP8 4096x8: 128 chains of 64 still fit one wave
+    (1, 64, 128, [64, 128], 64),     # TP1 1x32768: 128 chains fit one wave
+    (8, 64, 128, [64, 128], 128),    # TP1 4096x8: 4 waves x 1.25 beat 8 x 1.0
+    (1, 200, 256, [64], 64),         # only the built blocks are candidates
+])
+def test_plan_output_kernel(n, hv, V, blocks, want):
+    assert plan_block_v(n, hv, V, blocks, 132, OUT_CHAIN_COST) == want
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
     (1, 8, 128, [32, 64], 32),       # TP8 1x32768: 16 or 32 chains, one wave either way: narrow is cheaper
     (1, 32, 128, [32, 64], 32),      # TP2 1x32768: 64 or 128 chains, still one wave
     (8, 8, 128, [32, 64], 64),       # TP8 4096x8: BV=32 would need two waves
-    (1, 64, 128, [32, 64], 64),      # TP1 1x32768: 128 chains fit, 256 do not
     (8, 64, 128, [32, 64, 128], 64), # TP1 4096x8: 8 waves x 1.0 beats 4 x 2.06 and 16 x 0.86
     (1, 8, 64, [32, 64], 32),
-    (1, 200, 256, [64], 64),         # only the built blocks are candidates
 ])
-def test_plan(n, hv, V, blocks, want):
-    assert plan_block_v(n, hv, V, blocks, 132) == want
+def test_plan_staged_chains(n, hv, V, blocks, want):
+    assert plan_block_v(n, hv, V, blocks, 132, STAGED_CHAIN_COST) == want
 
 
 def test_no_block_built_is_an_error():

@@ -1,20 +1,20 @@
-"""Fused GDN forward recurrence: one CTA per (sequence, v-head, V-block) walks its sequence's chunks.
+"""GDN state recurrence with the state staged through shared memory: the backward's recompute pass and the
+intra-card CP pre-pass. One CTA per (sequence, v-head, V-block) walks its sequence's chunks.
 
 gdn_prepare has done everything that depends on neither V nor the state (Agb = Gamma * A * beta_col,
 P = scale * Gamma * tril(Q K^T), eg = exp(gamma), et = exp(gamma_last - gamma)), so per chunk only the
 state-dependent chain remains, with S (K x BV, fp32) in registers:
     W    = V - diag(eg) K S
     Vnew = Agb W                                      (one C x C x BV product)
-    O    = scale * diag(eg) Q S + P Vnew
     S    = eg_last S + K^T diag(et) Vnew
-Every tile (q, k, v, Agb, P, eg, et) arrives by TMA in a 2-stage software pipeline (TileLang warp-
+(The output pass, O = scale * diag(eg) Q S + P Vnew, is gdn_fwd_st's: the same chain on S^T in registers.)
+Every tile (k, v, Agb, eg, et) arrives by TMA in a 2-stage software pipeline (TileLang warp-
 specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
 outputs are not stored. eg_last is the last valid row's.
 Builds (the mode axis, compile time):
-  out    the forward: o and (when asked) the final state.
   save   the backward's recompute pass: stores, exactly as the chain used them (bf16/fp16), every chunk's
-         entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V], and skips the output (no q, P, O).
+         entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V].
   state  intra-card CP pre-pass (flash_qla/cp.py): the state-only chain from S = 0 over a chunk range that
          ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (per head: the gate-driven
          warm-up), written to ht [n]; no output.
@@ -25,20 +25,19 @@ import tilelang.language as T
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
-            "mode": ["out", "save", "state", "trans"]}
+            "mode": ["save", "state", "trans"]}
 # BV: the V columns one CTA owns (flash_qla/planner.py trades chain count against chain cost). BV = 128
 # was built and measured on the H200: its chains took ~2x BV = 64's, so it never paid and is not built.
 # the CP pre-pass builds: one V block (64, they are never the only work on the GPU); trans needs V = K
-VARIANT_RULE = "BV <= V and (mode in ('out', 'save') or BV == 64) and (mode != 'trans' or V == K)"
+VARIANT_RULE = "BV <= V and (mode == 'save' or BV == 64) and (mode != 'trans' or V == K)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
 
 
-def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
+def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
     dt = DTYPES[dtype]
     save = mode == "save"
-    output = mode == "out"
     cp = mode in ("state", "trans")   # CP pre-pass: range from start[n, h] to cu_seqlens[n]
     trans = mode == "trans"
     NT = T.dynamic("T")
@@ -49,33 +48,27 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
 
     @T.prim_func
     def gdn_fwd(
-        q: T.Tensor((NT, Hq, K), dt),
         k: T.Tensor((NT, Hq, K), dt),
         v: T.Tensor((NT, Hv, V), dt),
         agb: T.Tensor((NT, Hv, C), dt),
-        p: T.Tensor((NT, Hv, C), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         h0: T.Tensor((N, Hv, K, V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
-        o: T.Tensor((NT, Hv, V), dt),
         ht: T.Tensor((N, Hv, K, V), "float32"),
         hs: T.Tensor((TC // C, Hv, K, V), dt),
         w: T.Tensor((NT, Hv, V), dt),
         vnew: T.Tensor((NT, Hv, V), dt),
         start: T.Tensor((N, Hv), "int32"),
         fallback: T.Tensor((N, Hv), "int32"),
-        scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
-            q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             v_s = T.alloc_shared((C, BV), dt)
             agb_s = T.alloc_shared((C, C), dt)
-            p_s = T.alloc_shared((C, C), dt)
             s_s = T.alloc_shared((K, BV), dt)
             w_s = T.alloc_shared((C, BV), dt)
             vn_s = T.alloc_shared((C, BV), dt)
@@ -84,7 +77,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             et_s = T.alloc_shared((C,), "float32")
             S = T.alloc_fragment((K, BV), "float32")
             ks = T.alloc_fragment((C, BV), "float32")
-            qs = T.alloc_fragment((C, BV), "float32")
             vn = T.alloc_fragment((C, BV), "float32")
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
@@ -114,21 +106,15 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 T.clear(S)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
                 t0 = bos + c * C
-                if output:  # compile time: only the forward needs q, P, Q S and P Vnew
-                    T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 if not trans:
                     T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
-                if output:
-                    T.copy(p[t0:t0 + C, h, :], p_s)
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(S, s_s)
                 T.gemm(k_s, s_s, ks, clear_accum=True)
-                if output:
-                    T.gemm(q_s, s_s, qs, clear_accum=True)
                 if trans:  # V = 0: the homogeneous chain
                     for i, d in T.Parallel(C, BV):
                         w_s[i, d] = T.cast(-eg_s[i] * ks[i, d], dt)
@@ -145,18 +131,9 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                         if i < valid:
                             w[t0 + i, h, v0 + d] = w_s[i, d]
                             vnew[t0 + i, h, v0 + d] = vn_s[i, d]
-                elif cp:
-                    for i, d in T.Parallel(C, BV):
-                        vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
                 else:
                     for i, d in T.Parallel(C, BV):
-                        vn_s[i, d] = T.cast(vn[i, d], dt)
                         vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
-                        qs[i, d] = qs[i, d] * (eg_s[i] * scale)
-                    T.gemm(p_s, vn_s, qs)
-                    for i, d in T.Parallel(C, BV):
-                        if i < valid:
-                            o[t0 + i, h, v0 + d] = T.cast(qs[i, d], dt)
                 for kk, d in T.Parallel(K, BV):
                     S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.gemm(k_s, vd_s, S, transpose_A=True)

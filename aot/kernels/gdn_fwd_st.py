@@ -1,0 +1,123 @@
+"""GDN forward recurrence with the transposed state in registers: o and the final state.
+
+The chain of gdn_fwd's out build, written on S^T (BV x K, fp32) so that every product takes its state-side
+operand from registers (wgmma's A operand may be a register fragment; B must be shared memory):
+    (K S)^T = S^T K^T,  (Q S)^T = S^T Q^T                     A = S^T (bf16 copy), B = k / q tiles
+    W^T     = V^T - (K S)^T diag(eg)
+    Vnew^T  = W^T Agb^T                                        A = W^T,  B = Agb tile
+    O^T     = scale (Q S)^T diag(eg) + Vnew^T P^T              A = Vnew^T, B = P tile
+    S^T     = eg_last S^T + (diag(et) Vnew)^T K                A = Vd^T, B = k tile
+Nothing of the chain goes through shared memory (gdn_fwd round-trips S, W, Vnew and Vd through it every
+chunk, and its ncu profile shows the shared-memory pipe as the limiter); only O^T is staged there to leave
+as rows. One consumer warpgroup per 64 V columns (each owns 64 rows of S^T), a producer warpgroup streams
+q, k, v, Agb, P, eg, et by TMA two or three chunks deep.
+Measured on the H200 (TP1 4096x8, forward-kernel time): ~0.80 ms at BV = 128 vs ~1.36 ms for gdn_fwd's
+shared-memory-staged out build at its best block; one chain's chunk ~2.5 us (BV = 64) / ~3.1 us (BV = 128).
+Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; they are not
+stored. eg_last is the last valid row's.
+"""
+import tilelang.language as T
+
+C = 64
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128]}
+VARIANT_RULE = "BV <= V"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def build(dtype: str, K: int, V: int, BV: int):
+    dt = DTYPES[dtype]
+    # one warpgroup (BV = 64) leaves shared memory for a third stage: 2-5% faster chains (H200, TP8 1x32768 /
+    # TP2 1x8192); with two (BV = 128) the third stage measured 1-3% slower
+    stages = 3 if BV == 64 else 2
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+    TC = T.dynamic("TC")
+
+    @T.prim_func
+    def gdn_fwd_st(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        v: T.Tensor((NT, Hv, V), dt),
+        agb: T.Tensor((NT, Hv, C), dt),
+        p: T.Tensor((NT, Hv, C), dt),
+        eg_t: T.Tensor((Hv, TC), "float32"),
+        et_t: T.Tensor((Hv, TC), "float32"),
+        h0: T.Tensor((N, Hv, K, V), "float32"),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        o: T.Tensor((NT, Hv, V), dt),
+        ht: T.Tensor((N, Hv, K, V), "float32"),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
+            if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(232)
+            q_s = T.alloc_shared((C, K), dt)
+            k_s = T.alloc_shared((C, K), dt)
+            v_s = T.alloc_shared((C, BV), dt)
+            agb_s = T.alloc_shared((C, C), dt)
+            p_s = T.alloc_shared((C, C), dt)
+            eg_s = T.alloc_shared((C,), "float32")
+            et_s = T.alloc_shared((C,), "float32")
+            o_s = T.alloc_shared((C, BV), dt)
+            st = T.alloc_fragment((BV, K), "float32")
+            st_b = T.alloc_fragment((BV, K), dt)
+            kst = T.alloc_fragment((BV, C), "float32")
+            qst = T.alloc_fragment((BV, C), "float32")
+            wt = T.alloc_fragment((BV, C), dt)
+            vnt = T.alloc_fragment((BV, C), "float32")
+            vnt_b = T.alloc_fragment((BV, C), dt)
+            vdt_b = T.alloc_fragment((BV, C), dt)
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            slot0 = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            slot0 = chunk_offsets[n] * C
+            hk = h // (Hv // Hq)
+            v0 = bv * BV
+            if use_h0 != 0:
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = h0[n, h, kk, v0 + d]
+            else:
+                T.clear(st)
+            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=stages):
+                t0 = bos + c * C
+                T.copy(q[t0:t0 + C, hk, :], q_s)
+                T.copy(k[t0:t0 + C, hk, :], k_s)
+                T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
+                T.copy(agb[t0:t0 + C, h, :], agb_s)
+                T.copy(p[t0:t0 + C, h, :], p_s)
+                T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
+                T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
+                valid = T.min(eos - t0, C)
+                T.copy(st, st_b)
+                T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for d, i in T.Parallel(BV, C):
+                    wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
+                T.gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for d, i in T.Parallel(BV, C):
+                    vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                    vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
+                    qst[d, i] = qst[d, i] * (eg_s[i] * scale)
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = st[d, kk] * eg_s[valid - 1]
+                T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for d, i in T.Parallel(BV, C):
+                    o_s[i, d] = T.cast(qst[d, i], dt)
+                for i, d in T.Parallel(C, BV):
+                    if i < valid:
+                        o[t0 + i, h, v0 + d] = o_s[i, d]
+            if store_ht != 0:
+                for d, kk in T.Parallel(BV, K):
+                    ht[n, h, kk, v0 + d] = st[d, kk]
+
+    return gdn_fwd_st
