@@ -200,7 +200,9 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     seg = cp.segment_tables(t["cu"], t["offsets"], T, L)
     S = seg.count
     start, fallback = cp.warmup_tables(seg, t["gam_t"], t["bkk_t"])
-    z = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
+    # the warm-up chains write Z straight into h_in; gdn_cp_combine then fixes up only the first and the
+    # fallback segments in place
+    h_in = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
     m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
     pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
                fallback=fallback.data_ptr())
@@ -210,17 +212,16 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     main, side = torch.cuda.current_stream(dev), _side_stream(dev)
     side.wait_stream(main)
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
-            dict(pre, ht=z.data_ptr()), stream)
+            dict(pre, ht=h_in.data_ptr()), stream)
     _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
             dict(pre, ht=m.data_ptr()), side.cuda_stream)
     main.wait_stream(side)
     for buf in (m, start, fallback, seg.cu, seg.slot):
         buf.record_stream(side)
-    h_in = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
     h0 = t["h0"]
     _launch("gdn_cp_combine", {"K": K, "V": V}, dev, {"Hv": Hv, "N": N, "S": S, "use_h0": int(h0 is not None)},
-            {"z": z.data_ptr(), "m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
-             "h0": (h0 if h0 is not None else z).data_ptr(), "h_in": h_in.data_ptr()}, stream)
+            {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
+             "h0": (h0 if h0 is not None else h_in).data_ptr(), "h_in": h_in.data_ptr()}, stream)
     ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)
     _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,

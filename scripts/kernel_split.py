@@ -2,7 +2,8 @@
 
 Uses torch.profiler over repeated calls and reports each kernel's mean time per call, so the split of a
 row's time between kernels is visible (which kernel to work on, and against which peer kernel).
-usage: python scripts/kernel_split.py {ours|qla|fla} PEERS_DIR ROW [ROW ...]   (ROW like "TP1-397B:4096x8")
+usage: python scripts/kernel_split.py {ours|qla|fla} PEERS_DIR ROW [ROW ...]   (ROW like "TP1-397B:4096x8";
+"TP8:1x8192@8" forces our intra-card CP with 8-chunk segments, which eager calls otherwise never plan)
 """
 import json
 import sys
@@ -27,10 +28,14 @@ def split(fn, iters=10):
             fn()
         torch.cuda.synchronize()
     per = defaultdict(float)
+    launches = 0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per[ev.name[:60]] += ev.device_time / 1000.0 / iters
-    return {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+            launches += 1
+    out = {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+    out["launches_per_call"] = launches / iters
+    return out
 
 
 def main():
@@ -59,15 +64,19 @@ def main():
             gc, A = f(d)
             return b(d, gc, A)
     for row in rows:
+        row, _, segment = row.partition("@")
+        if lib == "ours":
+            from flash_qla import cp
+            cp.FORCE_SEGMENT_CHUNKS = int(segment) if segment else None
         model, seqs = row.split(":")
         hq, hv = MODELS[model]
         d = peer_bench.make(SEQS[seqs], hq, hv, 128)
-        rec = {"lib": lib, "row": row, "fwd": split(lambda: fwd(d))}
-        rec["fwd_total_ms"] = round(sum(rec["fwd"].values()), 4)
+        rec = {"lib": lib, "row": row + (f"@{segment}" if segment else ""), "fwd": split(lambda: fwd(d))}
+        rec["fwd_total_ms"] = round(sum(v for n, v in rec["fwd"].items() if n != "launches_per_call"), 4)
         if model.startswith("hk"):
             call = bwd(d)
             rec["bwd"] = split(call)
-            rec["bwd_total_ms"] = round(sum(rec["bwd"].values()), 4)
+            rec["bwd_total_ms"] = round(sum(v for n, v in rec["bwd"].items() if n != "launches_per_call"), 4)
         print(json.dumps(rec), flush=True)
 
 
