@@ -1,9 +1,8 @@
 """Append compare.py's output and the backward's stage split to BENCHMARKS.md (after the report step).
 
-usage: python scripts/benchmarks_appendix.py   (reads bench/results/compare_{fwd,bwd}_vs_qla.txt and
-bwd_stages_h200.jsonl; writes the section after the generated tables, replacing an earlier one)
+usage: python scripts/benchmarks_appendix.py   (reads bench/results/compare_{fwd,bwd}_vs_qla.txt; writes the
+section after the generated tables, replacing an earlier one)
 """
-import json
 import pathlib
 import re
 
@@ -22,9 +21,6 @@ def main():
     fwd = (RESULTS / "compare_fwd_vs_qla.txt").read_text().rstrip()
     bwd = (RESULTS / "compare_bwd_vs_qla.txt").read_text().rstrip()
     sf, sb = summary(fwd, "fwd"), summary(bwd, "bwd")
-    stages = [json.loads(line) for line in (RESULTS / "bwd_stages_h200.jsonl").read_text().splitlines() if line]
-    rows = "\n".join(f"| {s['row'].split('|', 1)[1].replace('|', ' ')} | {s['recompute_ms']:.3f} | {s['dh_ms']:.3f} | "
-                     f"{s['chunk_ms']:.3f} | {s['sum_ms']:.3f} |" for s in stages)
     section = f"""{MARK}
 
 `python ../shared/bench/compare.py bench/results/h200.jsonl --pass fwd --vs qla` (also `bench/results/compare_fwd_vs_qla.txt`):
@@ -40,35 +36,39 @@ FlashQLA's backward was re-timed on an H200 in the same session: `bench/results/
 {bwd}
 ```
 
-## Backward: where the time goes (H200, eager medians, `scripts/backward_stages.py`)
+Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_min']:.2f}; issue goal: every row
+>= 1.0x), {sf['best']:.2f}x the best peer (goals 1.0x, product 1.3x); backward geomean {sb['qla']:.2f}x FlashQLA
+(min {sb['qla_min']:.2f}), {sb['best']:.2f}x the best peer (product goal 1.2x).
 
-| row | recompute ms (plan, prepare, qk, gdn_fwd save build) | gdn_bwd_dh ms | gdn_bwd_chunk ms (GVA sums inside) | sum ms |
-| --- | ---: | ---: | ---: | ---: |
-{rows}
+## Where the time goes (H200, torch.profiler per kernel, `scripts/kernel_split.py`; `bench/results/kernel_split_ours_h200.jsonl`, FlashQLA's in `kernel_split_qla_h200.jsonl`)
 
-Distance to the goals: backward geomean {sb['qla']:.2f}x FlashQLA (min {sb['qla_min']:.2f}; issue goal: every row
->= 1.0x), {sb['best']:.2f}x the best peer (product goal 1.2x); forward geomean {sf['qla']:.2f}x FlashQLA (min
-{sf['qla_min']:.2f}), {sf['best']:.2f}x the best peer (goals 1.0x on every row / 1.3x). The recompute pass alone is
-about FlashQLA's whole backward on most rows; ncu on hk16_hv32 8k_1seq (`bench/results/ncu_bwd_8k_1seq_h200.txt`):
-gdn_prepare 0.21 ms (222 registers, 12.5% occupancy), gdn_qk 0.07 ms, the gdn_fwd save build 0.47 ms at 64 CTAs
-(measured before the V-block-32 save build, which brought the row from 2.10 to 2.00 ms). gdn_bwd_chunk runs one CTA per SM
-(211 registers at 256 threads, 115 KB smem: ncu shows 12.5% occupancy, IPC 0.93, DRAM 20%, so latency-bound; V-block loads not pipelined); gdn_bwd_dh walks each chain serially, with no
-intra-card CP in the backward yet.
+| row | ours | FlashQLA |
+| --- | --- | --- |
+| fwd TP1-397B 4096x8 | gdn_prepare 0.85 ms + gdn_fwd_st 0.81 = 1.66 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
+| fwd TP2 1x8192 | gdn_prepare 0.13 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
+| fwd TP8 1x8192, CP forced at 8-chunk segments | combine 0.086, pre-pass (gdn_fwd state/trans) 0.051, prepare 0.033, gdn_fwd_st 0.033, table ops 0.100 (82 launches a call) | CP forward 0.12-0.16 |
+| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.132, prepare 0.118, gdn_fwd_st 0.110, combine 0.086, table ops 0.106 | CP forward 0.32-0.39 |
+| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 1.14, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.16 + gdn_fwd save build 0.22), casts 0.08 = 1.93 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 
-## Forward: intra-card CP and where the time goes
+This session's forward changes, each measured on the H200 (TP1 4096x8 forward, graph): gdn_prepare's blocked
+inverse with P fused in (gdn_qk gone) 1.47 -> 1.06 ms of pre-chain kernels, its q/k tiles by TMA and paired
+L / P stores 1.06 -> 0.85; the output pass on the transposed state in registers (gdn_fwd_st: S^T is wgmma's
+register A operand, so S, W, Vnew never round-trip through shared memory) at BV = 128 with two consumer
+warpgroups 1.36 -> 0.81 ms (gdn_fwd's former out build at its best block vs gdn_fwd_st): row total 2.90 -> 1.67 ms.
+One chain's chunk now costs ~2.5 us at BV = 64 and ~3.1 us at BV = 128 (FlashInfer's ~3.1 us, FlashQLA's ~4.5 us);
+what remains on the full-GPU rows is gdn_prepare (0.85 ms vs FlashQLA's 0.44 ms kkt_solve: ncu shows it latency-
+bound at 4 CTAs per SM, ~12K warp instructions per (chunk, head) spread over seven barrier-separated phases) and
+the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
 
-The forward's graph rows use intra-card CP where the planner (`flash_qla/cp.py`) expects it to pay: TP8 1x32768
-1.28 -> 0.66 ms, 28672+4096 1.14 -> 0.66, 16384+16384 0.74 -> 0.64, 1x8192 0.338 -> 0.317, 2B-TP1 1x32768
-1.54 -> 1.20 ms. Eager calls do not plan CP (its tables are ~50 small torch ops, ~1.2 ms of host time), which is
-why eager exceeds graph by ~0.6 ms on those rows. Measured and rejected by the planner's cost model: TP8 8192x4
-(0.48 plain vs 0.64 with CP), TP2 1x32768 (1.81 vs 2.02), 2B-TP1 1x8192 (0.404 vs 0.433), and the 1x2048 rows
-(the ~0.1 ms of table kernels exceed the gain). With CP on TP8 1x32768 (torch.profiler): gdn_fwd launches 0.38 ms
-(pre-pass and segments), gdn_prepare 0.16, gdn_qk 0.04, gdn_cp_combine 0.04, table ops ~0.1; FlashQLA's whole
-CP forward is 0.32-0.39 ms.
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.525 ms, 28672+4096 0.512, 16384+16384 0.477, 1x8192
+0.321, 2B-TP1 1x32768 0.740. Their fixed costs are now the serial combine over the fallback (g = 0) heads (~5.3 us
+a segment: the M load and the 128-term dots are not pipelined across segments) and ~0.1 ms of table ops (~80 small
+torch launches); a table kernel and a pipelined combine would take ~0.15 ms off each CP row. Eager calls do not
+plan CP (the tables cost ~1.2 ms of host time), so eager exceeds graph by ~0.8 ms on those rows.
 
-Kernel split against FlashQLA (`bench/results/kernel_split_ours_h200.jsonl`, `kernel_split_qla_h200.jsonl`, before CP): TP1 4096x8
-gdn_prepare 1.15 ms + gdn_qk 0.32 vs kkt_solve 0.44; gdn_fwd 1.39 vs the fused forward 0.80. Backward
-hk16_hv32 8k_1seq: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82).
+Backward: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82): one CTA per SM (214 registers at
+256 threads, 208 KB smem), latency-bound; gdn_bwd_dh and the recompute's save build still stage the state through
+shared memory (the transposed-state layout of gdn_fwd_st would apply to both); no intra-card CP in the backward.
 """
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text()
