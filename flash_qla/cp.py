@@ -35,8 +35,8 @@ WARMUP_LOG_DECAY = -10.0
 SEGMENT_CHUNKS = (8, 16, 32, 64, 128, 256)  # candidate segment lengths L, in chunks
 PRE_PASS_COST = 0.6   # a state-only chain chunk (3 GEMMs, no output) relative to a forward chunk (5 GEMMs)
 FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does not bound the warm-up
-COMBINE_COST = 2.1    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
-                      # 16 steps 0.086 ms, ~5.3 us a step against a ~2.5 us forward chunk)
+COMBINE_COST = 1.5    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
+                      # 16 steps 0.059 ms, ~3.7 us a step against a ~2.5 us forward chunk)
 LAUNCH_COST = 60.0    # the extra launches and the ~50 small table ops on the GPU (~0.1-0.15 ms on an H200; at 40
                       # the planner took 2B-TP1 1x8192, measured 0.433 ms with CP vs 0.404 without)
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)

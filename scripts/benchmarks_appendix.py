@@ -46,8 +46,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | --- | --- | --- |
 | fwd TP1-397B 4096x8 | gdn_prepare 0.85 ms + gdn_fwd_st 0.81 = 1.66 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
 | fwd TP2 1x8192 | gdn_prepare 0.13 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
-| fwd TP8 1x8192, CP forced at 8-chunk segments | combine 0.086, pre-pass (gdn_fwd state/trans) 0.051, prepare 0.033, gdn_fwd_st 0.033, table ops 0.100 (82 launches a call) | CP forward 0.12-0.16 |
-| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.132, prepare 0.118, gdn_fwd_st 0.110, combine 0.086, table ops 0.106 | CP forward 0.32-0.39 |
+| fwd TP8 1x8192, CP forced at 8-chunk segments | combine 0.059, pre-pass (gdn_fwd state/trans) 0.051, prepare 0.033, gdn_fwd_st 0.033, table ops 0.100 (82 launches a call) | CP forward 0.12-0.16 |
+| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.131, prepare 0.118, gdn_fwd_st 0.109, combine 0.060, table ops 0.106 | CP forward 0.32-0.39 |
 | bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 1.14, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.16 + gdn_fwd save build 0.22), casts 0.08 = 1.93 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 
 This session's forward changes, each measured on the H200 (TP1 4096x8 forward, graph): gdn_prepare's blocked
@@ -60,10 +60,11 @@ what remains on the full-GPU rows is gdn_prepare (0.85 ms vs FlashQLA's 0.44 ms 
 bound at 4 CTAs per SM, ~12K warp instructions per (chunk, head) spread over seven barrier-separated phases) and
 the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.525 ms, 28672+4096 0.512, 16384+16384 0.477, 1x8192
-0.321, 2B-TP1 1x32768 0.740. Their fixed costs are now the serial combine over the fallback (g = 0) heads (~5.3 us
-a segment: the M load and the 128-term dots are not pipelined across segments) and ~0.1 ms of table ops (~80 small
-torch launches); a table kernel and a pipelined combine would take ~0.15 ms off each CP row. Eager calls do not
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.498 ms, 28672+4096 0.490, 16384+16384 0.464, 1x8192
+0.283, 2B-TP1 1x32768 0.727. Their fixed costs are the serial combine over the fallback (g = 0) heads (~3.7 us a
+segment after this session's two combine changes: Z written in place by the warm-ups, a 4 x 2 register tile per
+thread; 0.086 -> 0.059 ms on 16 segments) and ~0.1 ms of table ops (~80 small torch launches); a table kernel
+would take ~0.1 ms off each CP row. Eager calls do not
 plan CP (the tables cost ~1.2 ms of host time), so eager exceeds graph by ~0.8 ms on those rows.
 
 Backward: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82): one CTA per SM (214 registers at

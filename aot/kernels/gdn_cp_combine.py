@@ -5,16 +5,22 @@ flash_qla/cp.py). Per (sequence, v-head, 16 V columns) one CTA walks the sequenc
     h_in[first] = h0 (or 0)
     h_in[s]    += M[s] h_in[s-1]      only where fallback[s] (the exact transition of s - 1's range, for
                                       heads whose decay does not bound the warm-up); elsewhere Z[s] stands.
-So a sequence whose heads all decay costs one flag read per segment (the former walk copied every Z
-through shared memory: ~5 us a step, 0.086 ms of TP8 1x8192's 0.31 ms on the H200). fp32 FMAs (no tf32),
+So a sequence whose heads all decay costs one flag read per segment, and a fallback step ~3.7 us on the
+H200 (TP8 1x8192 at 8-chunk segments: 16 steps, 0.059 ms; 0.086 ms with one output per thread). fp32 FMAs (no tf32),
 so the combination adds no error beyond the chains'. Segments of one sequence are contiguous, seg_base[n]
 is the first of sequence n's.
 """
 import tilelang.language as T
 
 VARIANTS = {"K": [64, 128], "V": [64, 128, 256]}
-THREADS = 1024  # 2 outputs per thread at K = 128: the serial chain of loads and FMAs per step is what costs
 BVC = 16  # V columns per CTA: K x 16 outputs (each a K-long fp32 dot product)
+ROWS, COLS = 4, 2  # outputs per thread: a 4 x 2 register tile, so M arrives as 16-byte shared loads (one
+                   # output per thread with scalar loads, two per FMA, took ~5.3 us a step: the shared-memory
+                   # pipe, not the global loads, was the limit: prefetching M and Z changed nothing, H200)
+
+
+def threads(K: int) -> int:
+    return K * BVC // (ROWS * COLS)
 
 
 def build(K: int, V: int):
@@ -31,35 +37,53 @@ def build(K: int, V: int):
         h_in: T.Tensor((S, Hv, K, V), "float32"),
         use_h0: T.int32,
     ):
-        with T.Kernel(V // BVC, Hv, N, threads=THREADS) as (bv, h, n):
+        with T.Kernel(V // BVC, Hv, N, threads=threads(K)) as (bv, h, n):
             hs = T.alloc_shared((K, BVC), "float32")
-            m_s = T.alloc_shared((K, K), "float32")  # one bulk copy: loads from global inside the dot
-                                                       # products serialised on their latency (14 us a step)
-            acc = T.alloc_fragment((K, BVC), "float32")
+            m_s = T.alloc_shared((K, K + 4), "float32")  # padded rows: the 4 rows of a tile hit other banks
+            acc = T.alloc_local((ROWS * COLS,), "float32")
+            mrow = T.alloc_local((ROWS * 4,), "float32")
+            hcol = T.alloc_local((4 * COLS,), "float32")
             s0 = T.alloc_var("int32")
             s1 = T.alloc_var("int32")
             s0 = seg_base[n]
             s1 = seg_base[n + 1]
             v0 = bv * BVC
+            tid = T.get_thread_binding()
+            r0 = tid // (BVC // COLS) * ROWS
+            c0 = tid % (BVC // COLS) * COLS
             if s1 > s0:
-                if use_h0 != 0:
-                    T.copy(h0[n, h, :, v0:v0 + BVC], hs)
-                else:
-                    T.clear(hs)
                 # plain stores, not a TMA store: a fallback step reads this back with ordinary loads after a
                 # barrier, which orders generic-proxy writes only
-                for r, c in T.Parallel(K, BVC):
-                    h_in[s0, h, r, v0 + c] = hs[r, c]
+                for i in T.unroll(ROWS):
+                    for u in T.unroll(COLS):
+                        h_in[s0, h, r0 + i, v0 + c0 + u] = T.if_then_else(
+                            use_h0 != 0, h0[n, h, r0 + i, v0 + c0 + u], 0.0)
                 for i in T.serial(s1 - s0 - 1):
                     seg = s0 + 1 + i
                     if fallback[seg, h] != 0:
                         # the predecessor's entering state is final: this CTA wrote it (or left its Z) earlier
-                        T.copy(h_in[seg - 1, h, :, v0:v0 + BVC], hs)
-                        T.copy(m[seg, h, :, :], m_s)
-                        for r, c in T.Parallel(K, BVC):
-                            acc[r, c] = h_in[seg, h, r, v0 + c]
-                            for kk in T.unroll(K):
-                                acc[r, c] += m_s[r, kk] * hs[kk, c]
-                        T.copy(acc, h_in[seg, h, :, v0:v0 + BVC])
+                        T.sync_threads()
+                        for rr, cc in T.Parallel(K, BVC):
+                            hs[rr, cc] = h_in[seg - 1, h, rr, v0 + cc]
+                        for rr, kk in T.Parallel(K, K):
+                            m_s[rr, kk] = m[seg, h, rr, kk]
+                        T.sync_threads()
+                        for i2 in T.unroll(ROWS):
+                            for u in T.unroll(COLS):
+                                acc[i2 * COLS + u] = h_in[seg, h, r0 + i2, v0 + c0 + u]
+                        for k4 in T.serial(K // 4):
+                            for i2 in T.unroll(ROWS):
+                                for e in T.vectorized(4):
+                                    mrow[i2 * 4 + e] = m_s[r0 + i2, k4 * 4 + e]
+                            for e in T.unroll(4):
+                                for u in T.vectorized(COLS):
+                                    hcol[e * COLS + u] = hs[k4 * 4 + e, c0 + u]
+                            for i2 in T.unroll(ROWS):
+                                for e in T.unroll(4):
+                                    for u in T.unroll(COLS):
+                                        acc[i2 * COLS + u] += mrow[i2 * 4 + e] * hcol[e * COLS + u]
+                        for i2 in T.unroll(ROWS):
+                            for u in T.unroll(COLS):
+                                h_in[seg, h, r0 + i2, v0 + c0 + u] = acc[i2 * COLS + u]
 
     return gdn_cp_combine
