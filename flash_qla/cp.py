@@ -16,9 +16,9 @@ whose previous segment never decays that far (g = 0 heads), or has a token with 
 [0, 2], falls back to the exact transition (w = L, M computed), so CP meets the non-CP tolerances.
 Everything is computed on the device (no host synchronisation): the segment tables are padded to an
 upper bound of the segment count, and padding segments are empty.
-CP is planned only while a CUDA graph is being captured: the tables are ~50 small torch ops, ~1.2 ms of
-host time per call on the H200 machine, more than CP saves an eager caller (measured: TP8 1x32768 eager
-1.28 ms either way, TP8 1x8192 eager 0.34 -> 1.27 ms). One table kernel would lift this (not built yet).
+The tables are one gdn_cp_plan launch (segment_tables / warmup_tables below are its torch form, the tested
+specification), so eager calls plan CP too, with the path's host time in the cost (with ~80 torch ops
+instead, ~1.2 ms of host time a call, CP used to be planned only under capture).
 """
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ PRE_PASS_COST = 0.6   # a state-only chain chunk (3 GEMMs, no output) relative t
 FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does not bound the warm-up
 COMBINE_COST = 1.5    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
                       # 16 steps 0.059 ms, ~3.7 us a step against a ~2.5 us forward chunk)
-LAUNCH_COST = 60.0    # the extra launches and the ~50 small table ops on the GPU (~0.1-0.15 ms on an H200; at 40
-                      # the planner took 2B-TP1 1x8192, measured 0.433 ms with CP vs 0.404 without)
+LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan and four more launches (~0.05 ms)
+EAGER_HOST_COST = 40.0  # and in an eager call its host work (~0.1 ms more than the plain path's), which a CUDA
+                        # graph replay does not pay. H200 (bench/results/experiments/fwd_cp_plan_kernel_h200.jsonl):
+                        # TP8 1x2048 at L = 8: graph 0.094 -> 0.085 ms but eager 0.172 -> 0.260 ms
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
@@ -48,10 +50,11 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
     pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
-    warm-ups of the others being a few chunks; the serial combine; the extra launches)."""
+    warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
+    (capturing False) their host time)."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
-    if not capturing or tokens == 0 or num_seqs == 0:
+    if tokens == 0 or num_seqs == 0:
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
 
@@ -68,7 +71,7 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
         main = chains_time(segments * num_v_heads, L)
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * FALLBACK_SHARE
         pre = max(1, math.ceil(pre_chains / num_sms)) * L * PRE_PASS_COST
-        t = main + pre + per_seq_segments * COMBINE_COST + LAUNCH_COST
+        t = main + pre + per_seq_segments * COMBINE_COST + LAUNCH_COST + (0.0 if capturing else EAGER_HOST_COST)
         if t < best:
             best, best_l = t, L
     return best_l
@@ -82,15 +85,12 @@ def max_segments(tokens: int, num_seqs: int, L: int) -> int:
 @dataclass
 class Segments:
     L: int
+    count: int              # S: segment slots (an upper bound of the segment count, max_segments)
     cu: torch.Tensor        # [S + 1] int32: token where segment i starts (padding: tokens)
     slot: torch.Tensor      # [S + 1] int32: chunk slot of segment i's first chunk
     base: torch.Tensor      # [N + 1] int32: first segment of sequence n
-    first: torch.Tensor     # [S] bool: segment i starts its sequence (or is padding): no warm-up
-    last: torch.Tensor      # [N] int64: last segment of sequence n (-1: empty sequence)
-
-    @property
-    def count(self) -> int:
-        return self.first.numel()
+    last: torch.Tensor      # [N] integer: last segment of sequence n (-1: empty sequence)
+    first: Optional[torch.Tensor] = None  # [S] bool (torch form only): starts its sequence or is padding
 
 
 def segment_tables(cu: torch.Tensor, offsets: torch.Tensor, tokens: int, L: int) -> Segments:
@@ -107,20 +107,21 @@ def segment_tables(cu: torch.Tensor, offsets: torch.Tensor, tokens: int, L: int)
     seg_cu = torch.where(valid, cu64[n] + j * (L * CHUNK), tokens)
     seg_slot = torch.where(valid, off64[n] + j * L, off64[N])
     tail_cu, tail_slot = seg_cu.new_full((1,), tokens), off64[N:]
-    return Segments(L=L, cu=torch.cat([seg_cu, tail_cu]).int(), slot=torch.cat([seg_slot, tail_slot]).int(),
-                    base=base.int(), first=(j == 0) | ~valid, last=torch.where(nseg > 0, base[1:] - 1, -1))
+    return Segments(L=L, count=S, cu=torch.cat([seg_cu, tail_cu]).int(), slot=torch.cat([seg_slot, tail_slot]).int(),
+                    base=base.int(), last=torch.where(nseg > 0, base[1:] - 1, -1), first=(j == 0) | ~valid)
 
 
-def warmup_tables(seg: Segments, gam_t: torch.Tensor, bkk_t: torch.Tensor):
+def warmup_tables(seg: Segments, gam_t: torch.Tensor, bkk_max: torch.Tensor):
     """(start [S, Hv] int32: the token where segment s's warm-up begins, fallback [S, Hv] int32).
 
-    gdn_prepare's chunk-aligned tiles [Hv, slots * 64]: gam_t, the chunk-local cumulative g (row 63 of a full
-    chunk = its sum of g), and bkk_t, beta |k|^2 per token (-1 past a sequence's end): whether every factor
-    (I - beta k k^T) of the previous segment is non-expansive, which the decay bound needs."""
+    gdn_prepare's chunk-aligned outputs: gam_t [Hv, slots * 64], the chunk-local cumulative g (row 63 of a full
+    chunk = its sum of g), and bkk_max [Hv, slots], each chunk's largest beta |k|^2 (-1 for no token): whether
+    every factor (I - beta k k^T) of the previous segment is non-expansive, which the decay bound needs.
+    The torch form of the gdn_cp_plan kernel's warm-up (the specification its GPU test compares against)."""
     L, S = seg.L, seg.count
     Hv = gam_t.shape[0]
     totals = gam_t.view(Hv, -1, CHUNK)[:, :, CHUNK - 1]                      # [Hv, slots]
-    worst = bkk_t.view(Hv, -1, CHUNK).amax(-1)                               # [Hv, slots]
+    worst = bkk_max                                                          # [Hv, slots]
     prev = (seg.slot[:S, None].long() - L + torch.arange(L, device=gam_t.device)).clamp(min=0)
     suffix = totals[:, prev].flip(-1).cumsum(-1)                              # [Hv, S, L]: last w chunks' g
     hit = suffix <= WARMUP_LOG_DECAY

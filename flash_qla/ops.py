@@ -104,8 +104,9 @@ def current_stream(device: torch.device) -> int:
 
 
 def _empty(*shape, device, dtype) -> torch.Tensor:
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    if POISON_OUTPUTS:  # NaN, or for integer tables the most negative value
+        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, poison, device=device, dtype=dtype)
     return torch.empty(*shape, device=device, dtype=dtype)
 
 
@@ -143,7 +144,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
-    eg_t, et_t, gam_t, bkk_t = (_empty(Hv, TC, device=dev, dtype=torch.float32) for _ in range(4))
+    eg_t, et_t, gam_t = (_empty(Hv, TC, device=dev, dtype=torch.float32) for _ in range(3))
+    bkk_max = _empty(Hv, TC // CHUNK, device=dev, dtype=torch.float32)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -154,14 +156,14 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr(),
-             "bkk_t": bkk_t.data_ptr()}, stream)
+             "bkk_max": bkk_max.data_ptr()}, stream)
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
     L = _segment_chunks(problem, tag, dev) if saved is None else None
     if L is not None:
-        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_t=bkk_t, cu=cu, offsets=offsets,
+        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_max=bkk_max, cu=cu, offsets=offsets,
                                                                  h0=h0, o=o, ht=ht), output_final_state, stream)
     else:
         kernel = OUT_KERNEL if saved is None else FWD_KERNEL
@@ -190,6 +192,25 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _CACHE[key]
 
 
+def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream):
+    """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables are
+    its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32)."""
+    dev = t["k"].device
+    N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
+    S = cp.max_segments(T, N, L)
+    i32 = dict(device=dev, dtype=torch.int32)
+    seg = cp.Segments(L=L, count=S, cu=_empty(S + 1, **i32), slot=_empty(S + 1, **i32), base=_empty(N + 1, **i32),
+                      last=_empty(N, **i32))
+    start, fallback = _empty(S, Hv, **i32), _empty(S, Hv, **i32)
+    _launch("gdn_cp_plan", {"tile": 1024}, dev,
+            {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY},
+            {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),
+             "gam_t": t["gam_t"].data_ptr(), "bkk_max": t["bkk_max"].data_ptr(), "seg_cu": seg.cu.data_ptr(),
+             "seg_slot": seg.slot.data_ptr(), "seg_base": seg.base.data_ptr(), "seg_last": seg.last.data_ptr(),
+             "start": start.data_ptr(), "fallback": fallback.data_ptr()}, stream)
+    return seg, start, fallback
+
+
 def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
                 stream) -> torch.Tensor:
     """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd
@@ -197,9 +218,8 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     dev = t["k"].device
     Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
     T = problem.batch * problem.tokens
-    seg = cp.segment_tables(t["cu"], t["offsets"], T, L)
+    seg, start, fallback = _cp_tables(problem, L, sizes["TC"], t, stream)
     S = seg.count
-    start, fallback = cp.warmup_tables(seg, t["gam_t"], t["bkk_t"])
     # the warm-up chains write Z straight into h_in; gdn_cp_combine then fixes up only the first and the
     # fallback segments in place
     h_in = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
@@ -230,7 +250,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
                  ht=ht_seg.data_ptr()), stream)
     if not output_final_state:
         return t["ht"]
-    final = ht_seg[seg.last.clamp(min=0)]
+    final = ht_seg.index_select(0, seg.last.clamp(min=0))
     empty = (seg.last < 0)[:, None, None, None]  # a zero-length sequence keeps its initial state
     return torch.where(empty, h0 if h0 is not None else torch.zeros_like(final), final)
 

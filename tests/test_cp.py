@@ -26,8 +26,6 @@ def test_planner(tokens, n, hv, want_cp):
     assert (L is not None) == want_cp
     if L is not None:
         assert L in cp.SEGMENT_CHUNKS and L < tokens // CHUNK
-    # eager calls never plan CP (the tables' host cost exceeds what it saves)
-    assert cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, BLOCKS, capturing=False) is None
 
 
 def _tables(lengths, L):
@@ -58,15 +56,15 @@ def test_segment_tables(lengths, L):
 
 
 def _tiles(g, k, beta, cu, offsets, T, ratio):
-    """gdn_prepare's chunk-aligned tiles [Hv, slots * 64]: the chunk-local cumulative g (gamma stays at the
-    last value past the end) and beta |k|^2 per token (-1 where no token sits)."""
+    """gdn_prepare's chunk-aligned outputs: the chunk-local cumulative g [Hv, slots * 64] (gamma stays at the
+    last value past the end) and each chunk's largest beta |k|^2 [Hv, slots] (-1 where no token sits)."""
     N = cu.numel() - 1
     m = slot_map(cu, offsets, T, -(-T // CHUNK) + N)
     Hv = g.shape[1]
     gam = to_slots(g, m).cumsum(-1).permute(1, 0, 2).reshape(Hv, -1)
     bkk = beta * k.square().sum(-1).repeat_interleave(ratio, 1)
     valid = to_slots(torch.ones(T, Hv, dtype=g.dtype), m) > 0
-    bkk = torch.where(valid, to_slots(bkk, m), -1.0).permute(1, 0, 2).reshape(Hv, -1)
+    bkk = torch.where(valid, to_slots(bkk, m), -1.0).permute(1, 0, 2).amax(-1)
     return gam, bkk
 
 

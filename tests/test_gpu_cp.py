@@ -82,3 +82,37 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
     assert reference.relative_l2(o, o_ref) <= 1e-2 and reference.relative_l2(ht, ht_ref) <= 1e-2
     # CP and the plain path agree far inside the tolerance (bf16 rounding of different chains)
     assert reference.relative_l2(o, o_plain.double()) <= 5e-3 and reference.relative_l2(ht, ht_plain.double()) <= 5e-3
+
+
+@pytest.mark.parametrize("L", [1, 2, 5])
+@pytest.mark.parametrize("unit_keys", [True, False])
+def test_plan_kernel_matches_torch_tables(L, unit_keys):
+    """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables on gdn_prepare's real outputs:
+    varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound."""
+    x = draw(LENGTHS, 2, 6, 64, 64, torch.bfloat16, seed=L)
+    if not unit_keys:
+        x["k"] = x["k"] * 1.6  # beta |k|^2 up to 2.56: some chunks void the warm-up bound
+    x["g"] = x["g"] / 8
+    captured = {}
+    real = ops._cp_tables
+
+    def spy(problem, L_, TC, t, stream):
+        captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream))
+        return captured["out"]
+
+    ops._cp_tables = spy
+    try:
+        cp.FORCE_SEGMENT_CHUNKS = L
+        flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    finally:
+        ops._cp_tables, cp.FORCE_SEGMENT_CHUNKS = real, None
+    seg, start, fallback = captured["out"]
+    t = captured["t"]
+    T = int(x["cu_seqlens"][-1])
+    ref = cp.segment_tables(t["cu"], t["offsets"], T, L)
+    ref_start, ref_fallback = cp.warmup_tables(ref, t["gam_t"], t["bkk_max"])
+    assert seg.count == ref.count
+    for name in ("cu", "slot", "base", "last"):
+        assert torch.equal(getattr(seg, name).long(), getattr(ref, name).long()), name
+    assert torch.equal(start, ref_start) and torch.equal(fallback, ref_fallback)
+    assert bool(fallback.any()) and bool((fallback == 0).any())  # both paths exercised

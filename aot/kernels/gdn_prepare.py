@@ -5,7 +5,8 @@ Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
   P    = scale * Gamma * tril(Q K^T),
   eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
-  beta_i |k_i|^2 (the diagonal of diag(beta) K K^T, for intra-card CP's warm-up bound).
+  the chunk's largest beta_i |k_i|^2 (the diagonal of diag(beta) K K^T; 3 for a negative beta: intra-card
+  CP's warm-up bound needs every token's 0 <= beta |k|^2 <= 2).
 The recurrence kernel (gdn_fwd) then keeps only the state-dependent chain. One CTA of one warpgroup per
 (chunk, v-head); chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of sequence n,
 a device-side cumsum of ceil(len / 64)), nothing is read on the host.
@@ -31,6 +32,7 @@ THREADS = 128     # one warpgroup: the two 64 x 64 x K products are single wgmma
 # written in a statement after a CTA barrier that follows the last read of the other (unlike a
 # warp-specialised pipeline, where the producer writes while consumers read: gdn_fwd must not use it).
 PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True}
+H = C // 2        # a warp: the second warp of the 64 threads that own a row each
 LOG2E = 1.4426950408889634
 
 
@@ -56,7 +58,7 @@ def build(dtype: str, K: int):
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
-        bkk_t: T.Tensor((Hv, TC), "float32"),
+        bkk_max: T.Tensor((Hv, TC // C), "float32"),
         scale: T.float32,
         write_a: T.int32,
     ):
@@ -72,6 +74,7 @@ def build(dtype: str, K: int):
             ainv = T.alloc_shared((C, C + 4), "float32")
             tmp = T.alloc_shared((C, B + 4), "float32")
             graw = T.alloc_shared((C,), "float32")
+            red = T.alloc_shared((1,), "float32")
             b_s = T.alloc_shared((C,), "float32")
             gam = T.alloc_shared((C,), "float32")
             x = T.alloc_local((B,), "float32")
@@ -90,6 +93,7 @@ def build(dtype: str, K: int):
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             acc = T.alloc_var("float32")
+            wmax = T.alloc_var("float32")
 
             # sequence of this chunk: largest n with chunk_offsets[n] <= bc (binary search, 32 steps max)
             lo = 0
@@ -230,9 +234,14 @@ def build(dtype: str, K: int):
                     et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E),
                                                            0.0)
                     gam_t[h, bc * C + tid] = gam[tid]
-                    # beta |k|^2 per token: whether the token's factor (I - beta k k^T) can expand the state (CP's
-                    # warm-up bound needs 0 <= beta |k|^2 <= 2; flash_qla/cp.py); -1 (harmless) past the end
-                    bkk_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, lower[tid, tid]),
-                                                            -1.0)
+                    # beta |k|^2 per token, reduced to the chunk's largest: whether a token's factor
+                    # (I - beta k k^T) can expand the state (flash_qla/cp.py); -1 past the end
+                    wmax = T.warp_reduce_max(T.if_then_else(
+                        tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, lower[tid, tid]), -1.0))
+                    if tid == H:
+                        red[0] = wmax
+                T.sync_threads()
+                if tid == 0:
+                    bkk_max[h, bc] = T.max(wmax, red[0])
 
     return gdn_prepare

@@ -1,0 +1,117 @@
+"""Intra-card CP's tables in one launch: the segments of a packed batch and each (segment, v-head) warm-up.
+
+The device form of flash_qla/cp.py's segment_tables + warmup_tables (the torch form, kept as the tested
+specification, was ~80 small launches: ~0.1 ms of GPU time a call on the H200 and ~1.2 ms of host time).
+One CTA:
+  1. seg_base[n] = first segment of sequence n (an exclusive scan of ceil(chunks_n / L), 1024 at a time with a
+     running carry, as gdn_plan's), seg_last[n] = its last segment (-1 for an empty sequence);
+  2. per (segment slot i, v-head) (padding slots past the last segment start at `tokens`): the sequence by
+     binary search over seg_base, the segment's first token and chunk slot, and the head's warm-up: the fewest trailing
+     chunks of the previous segment whose summed g is <= decay_bound (chunk totals: gdn_prepare's gamma at
+     row 63), or the whole previous segment plus the exact-transition fallback when it never gets there or a
+     token of it has beta |k|^2 outside [0, 2] (gdn_prepare's per-chunk bkk_max).
+Sums run in the torch form's order (latest chunk first, fp32).
+"""
+import tilelang.language as T
+
+C = 64
+VARIANTS = {"tile": [1024]}
+THREADS = 1024
+
+
+def build(tile: int):
+    N = T.dynamic("N")
+    S = T.dynamic("S")    # segment slots (an upper bound of the segment count)
+    Hv = T.dynamic("Hv")
+    TC = T.dynamic("TC")  # chunk slots x 64 of gdn_prepare's tiles
+
+    @T.prim_func
+    def gdn_cp_plan(
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        gam_t: T.Tensor((Hv, TC), "float32"),
+        bkk_max: T.Tensor((Hv, TC // C), "float32"),
+        seg_cu: T.Tensor((S + 1,), "int32"),
+        seg_slot: T.Tensor((S + 1,), "int32"),
+        seg_base: T.Tensor((N + 1,), "int32"),
+        seg_last: T.Tensor((N,), "int32"),
+        start: T.Tensor((S, Hv), "int32"),
+        fallback: T.Tensor((S, Hv), "int32"),
+        L: T.int32,
+        tokens: T.int32,
+        decay_bound: T.float32,
+    ):
+        with T.Kernel(1, threads=THREADS) as _:
+            counts = T.alloc_shared((tile,), "int32")
+            carry = T.alloc_shared((1,), "int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            total = T.alloc_var("int32")
+            acc = T.alloc_var("float32")
+            worst = T.alloc_var("float32")
+            w = T.alloc_var("int32")
+            tid = T.get_thread_binding()
+            carry[0] = 0
+            seg_base[0] = 0
+            for blk in T.serial(T.ceildiv(N, tile)):
+                for i in T.Parallel(tile):
+                    counts[i] = T.if_then_else(
+                        blk * tile + i < N,
+                        T.ceildiv(chunk_offsets[blk * tile + i + 1] - chunk_offsets[blk * tile + i], L), 0)
+                T.cumsum(src=counts, dim=0)
+                for i in T.Parallel(tile):
+                    if blk * tile + i < N:
+                        seg_base[blk * tile + i + 1] = carry[0] + counts[i]
+                        seg_last[blk * tile + i] = T.if_then_else(
+                            chunk_offsets[blk * tile + i + 1] > chunk_offsets[blk * tile + i],
+                            carry[0] + counts[i] - 1, -1)
+                if tid == 0:
+                    carry[0] = carry[0] + counts[tile - 1]
+            T.sync_threads()  # seg_base is read back from global memory by every thread below
+            total = seg_base[N]
+            # one thread per (segment slot, v-head): the L-chunk walks run side by side (a thread per slot walking
+            # every head took 0.040 ms on TP8 1x32768 at L = 32, H200)
+            for it in T.serial(T.ceildiv(S * Hv, THREADS)):
+                pair = it * THREADS + tid
+                if pair < S * Hv:
+                    i = pair // Hv
+                    h = pair % Hv
+                    lo = 0
+                    hi = N - 1
+                    for _ in T.serial(32):  # the sequence: largest n < N with seg_base[n] <= i
+                        if lo < hi:
+                            mid = (lo + hi + 1) // 2
+                            if seg_base[mid] <= i:
+                                lo = mid
+                            else:
+                                hi = mid - 1
+                    j = i - seg_base[lo]
+                    valid = i < total
+                    scu = T.if_then_else(valid, cu_seqlens[lo] + j * (L * C), tokens)
+                    sslot = T.if_then_else(valid, chunk_offsets[lo] + j * L, chunk_offsets[N])
+                    if h == 0:
+                        seg_cu[i] = scu
+                        seg_slot[i] = sslot
+                    if j == 0 or not valid:  # a sequence's first segment (or padding): no warm-up
+                        start[i, h] = scu
+                        fallback[i, h] = 0
+                    else:  # the previous segment's chunks are slots sslot - L .. sslot - 1
+                        acc = 0.0
+                        worst = -1.0
+                        w = 0
+                        for t in T.serial(L):
+                            acc += gam_t[h, (sslot - 1 - t) * C + C - 1]
+                            if w == 0 and acc <= decay_bound:
+                                w = t + 1
+                            worst = T.max(worst, bkk_max[h, sslot - 1 - t])
+                        if w == 0 or worst > 2.0:
+                            start[i, h] = scu - L * C
+                            fallback[i, h] = 1
+                        else:
+                            start[i, h] = scu - w * C
+                            fallback[i, h] = 0
+            if tid == 0:
+                seg_cu[S] = tokens
+                seg_slot[S] = chunk_offsets[N]
+
+    return gdn_cp_plan
