@@ -38,9 +38,9 @@ FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does 
 COMBINE_COST = 1.5    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
                       # 16 steps 0.059 ms, ~3.7 us a step against a ~2.5 us forward chunk)
 LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan and four more launches (~0.05 ms)
-EAGER_HOST_COST = 40.0  # and in an eager call its host work (~0.1 ms more than the plain path's), which a CUDA
-                        # graph replay does not pay. H200 (bench/results/experiments/fwd_cp_plan_kernel_h200.jsonl):
-                        # TP8 1x2048 at L = 8: graph 0.094 -> 0.085 ms but eager 0.172 -> 0.260 ms
+EAGER_HOST_COST = 120.0  # and in an eager call its host work (~0.3 ms more than the plain path's ~0.11 ms), which a
+                         # CUDA graph replay does not pay. H200, standard matrix (bench/results/h200.jsonl before this
+                         # constant): TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 

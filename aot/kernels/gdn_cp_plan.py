@@ -17,6 +17,7 @@ import tilelang.language as T
 C = 64
 VARIANTS = {"tile": [1024]}
 THREADS = 1024
+GROUP = 8  # warm-up chunks fetched together
 
 
 def build(tile: int):
@@ -50,6 +51,8 @@ def build(tile: int):
             acc = T.alloc_var("float32")
             worst = T.alloc_var("float32")
             w = T.alloc_var("int32")
+            tot = T.alloc_local((GROUP,), "float32")
+            big = T.alloc_local((GROUP,), "float32")
             tid = T.get_thread_binding()
             carry[0] = 0
             seg_base[0] = 0
@@ -99,11 +102,20 @@ def build(tile: int):
                         acc = 0.0
                         worst = -1.0
                         w = 0
-                        for t in T.serial(L):
-                            acc += gam_t[h, (sslot - 1 - t) * C + C - 1]
-                            if w == 0 and acc <= decay_bound:
-                                w = t + 1
-                            worst = T.max(worst, bkk_max[h, sslot - 1 - t])
+                        # the walk's loads go out GROUP at a time (one after another they cost a DRAM latency
+                        # per chunk: 0.038 ms at L = 32 on the H200)
+                        for t0 in T.serial(T.ceildiv(L, GROUP)):
+                            for u in T.unroll(GROUP):
+                                tot[u] = T.if_then_else(t0 * GROUP + u < L,
+                                                        gam_t[h, (sslot - 1 - t0 * GROUP - u) * C + C - 1], 0.0)
+                                big[u] = T.if_then_else(t0 * GROUP + u < L, bkk_max[h, sslot - 1 - t0 * GROUP - u],
+                                                        -1.0)
+                            for u in T.unroll(GROUP):
+                                if t0 * GROUP + u < L:
+                                    acc += tot[u]
+                                    if w == 0 and acc <= decay_bound:
+                                        w = t0 * GROUP + u + 1
+                                    worst = T.max(worst, big[u])
                         if w == 0 or worst > 2.0:
                             start[i, h] = scu - L * C
                             fallback[i, h] = 1
