@@ -44,28 +44,30 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 
 | row | ours | FlashQLA |
 | --- | --- | --- |
-| fwd TP1-397B 4096x8 | gdn_prepare 0.85 ms + gdn_fwd_st 0.81 = 1.66 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
-| fwd TP2 1x8192 | gdn_prepare 0.13 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
-| fwd TP8 1x8192, CP forced at 8-chunk segments | combine 0.059, pre-pass (gdn_fwd state/trans) 0.051, prepare 0.033, gdn_fwd_st 0.033, table ops 0.100 (82 launches a call) | CP forward 0.12-0.16 |
-| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.131, prepare 0.118, gdn_fwd_st 0.109, combine 0.060, table ops 0.106 | CP forward 0.32-0.39 |
+| fwd TP1-397B 4096x8 | gdn_prepare 0.81 ms + gdn_fwd_st 0.81 = 1.62 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
+| fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.12 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
+| fwd TP8 1x8192, CP at 16-chunk segments | pre-pass (gdn_fwd state/trans) 0.057, gdn_fwd_st 0.056, prepare 0.031, combine 0.029, gdn_cp_plan 0.012, torch 0.007 (11 launches a call) | CP forward 0.12-0.16 |
+| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.145, prepare 0.113, gdn_fwd_st 0.109, combine 0.060, gdn_cp_plan 0.028, torch 0.007 | CP forward 0.32-0.39 |
 | bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 1.14, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.16 + gdn_fwd save build 0.22), casts 0.08 = 1.93 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 
 This session's forward changes, each measured on the H200 (TP1 4096x8 forward, graph): gdn_prepare's blocked
 inverse with P fused in (gdn_qk gone) 1.47 -> 1.06 ms of pre-chain kernels, its q/k tiles by TMA and paired
-L / P stores 1.06 -> 0.85; the output pass on the transposed state in registers (gdn_fwd_st: S^T is wgmma's
+L / P stores 1.06 -> 0.85, padded P staging rows (8-way bank conflicts, ncu) 0.85 -> 0.81; the output pass on the transposed state in registers (gdn_fwd_st: S^T is wgmma's
 register A operand, so S, W, Vnew never round-trip through shared memory) at BV = 128 with two consumer
-warpgroups 1.36 -> 0.81 ms (gdn_fwd's former out build at its best block vs gdn_fwd_st): row total 2.90 -> 1.67 ms.
+warpgroups 1.36 -> 0.81 ms (gdn_fwd's former out build at its best block vs gdn_fwd_st): row total 2.90 -> 1.62 ms.
 One chain's chunk now costs ~2.5 us at BV = 64 and ~3.1 us at BV = 128 (FlashInfer's ~3.1 us, FlashQLA's ~4.5 us);
-what remains on the full-GPU rows is gdn_prepare (0.85 ms vs FlashQLA's 0.44 ms kkt_solve: ncu shows it latency-
-bound at 4 CTAs per SM, ~12K warp instructions per (chunk, head) spread over seven barrier-separated phases) and
+what remains on the full-GPU rows is gdn_prepare (0.81 ms vs FlashQLA's 0.44 ms kkt_solve: ncu shows the shared-
+memory pipe at 86%, ~4.3K wavefronts per (chunk, head) over seven barrier-separated phases, 4 CTAs per SM) and
 the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.498 ms, 28672+4096 0.490, 16384+16384 0.464, 1x8192
-0.283, 2B-TP1 1x32768 0.727. Their fixed costs are the serial combine over the fallback (g = 0) heads (~3.7 us a
-segment after this session's two combine changes: Z written in place by the warm-ups, a 4 x 2 register tile per
-thread; 0.086 -> 0.059 ms on 16 segments) and ~0.1 ms of table ops (~80 small torch launches); a table kernel
-would take ~0.1 ms off each CP row. Eager calls do not
-plan CP (the tables cost ~1.2 ms of host time), so eager exceeds graph by ~0.8 ms on those rows.
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.405 ms (0.98x FlashQLA), 28672+4096 0.393, 16384+16384
+0.369 (1.00x), 1x8192 0.180, 8192x4 0.364; TP2 1x32768 1.207 (1.04x), 1x8192 0.373; 2B-TP1 1x32768 0.645 (1.04x),
+28672+4096 0.637 (1.09x), 1x8192 0.235. This session took their fixed costs down: the tables went from ~80 torch
+launches (~0.1 ms GPU, ~1.2 ms host) to one `gdn_cp_plan` launch (0.012-0.028 ms), and the serial combine over the
+fallback (g = 0) heads from ~5.3 to ~3.7 us a segment (Z written in place by the warm-ups; a 4 x 2 register tile per
+thread). Eager calls now plan CP where it pays after the path's ~0.3 ms of host work (TP8 1x32768 eager 1.32 ->
+0.55 ms). What remains: the pre-pass (state and transition chains on the shared-memory-staged gdn_fwd builds,
+which the transposed-state layout would speed up as it did the output pass) and the combine's serial walk.
 
 Backward: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82): one CTA per SM (214 registers at
 256 threads, 208 KB smem), latency-bound; gdn_bwd_dh and the recompute's save build still stage the state through
