@@ -2,7 +2,7 @@
 
 When sequences x v-heads cannot fill the GPU (one long sequence, few heads), each sequence is cut into
 segments of L chunks that run in parallel:
-  1. pre-pass (gdn_fwd, mode "state"): for every segment s after a sequence's first, the state-only chain
+  1. pre-pass (gdn_fwd_st, mode "state"): for every segment s after a sequence's first, the state-only chain
      from S = 0 over the last w chunks of segment s - 1 (the warm-up) -> Z[s];
      (mode "trans", fallback heads only) the exact transition M[s] of segment s - 1 -> M[s];
   2. gdn_cp_combine: h_in[s] = Z[s] + (fallback ? M[s] h_in[s-1] : 0), serially over a sequence's segments;
@@ -22,6 +22,7 @@ instead, ~1.2 ms of host time a call, CP used to be planned only under capture).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -51,9 +52,17 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
     pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
     warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
-    (capturing False) their host time)."""
+    (capturing False) their host time). Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
+    costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
+             0.0 if capturing else EAGER_HOST_COST)
+    return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
+    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost = costs
     if tokens == 0 or num_seqs == 0:
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
@@ -63,15 +72,15 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
 
     plain = chains_time(num_seqs * num_v_heads, per_seq)
     best, best_l = plain, None
-    for L in SEGMENT_CHUNKS:
+    for L in segment_chunks:
         if L >= per_seq:
             break
         per_seq_segments = math.ceil(per_seq / L)
         segments = num_seqs * per_seq_segments
         main = chains_time(segments * num_v_heads, L)
-        pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * FALLBACK_SHARE
-        pre = max(1, math.ceil(pre_chains / num_sms)) * L * PRE_PASS_COST
-        t = main + pre + per_seq_segments * COMBINE_COST + LAUNCH_COST + (0.0 if capturing else EAGER_HOST_COST)
+        pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * fallback_share
+        pre = max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
+        t = main + pre + per_seq_segments * combine_cost + launch_cost + host_cost
         if t < best:
             best, best_l = t, L
     return best_l

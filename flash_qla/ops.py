@@ -24,8 +24,8 @@ from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
-FWD_KERNEL = "gdn_fwd"     # the chain kernel's save / state / trans builds (backward recompute, CP pre-pass)
-OUT_KERNEL = "gdn_fwd_st"  # the output pass: o and the final state, transposed state in registers
+FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
+OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 _SMS: dict = {}
 # Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
@@ -56,7 +56,7 @@ def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int) ->
     return _CACHE[key]
 
 
-def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = None,
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = "out",
              chains_per_head: Optional[int] = None) -> int:
     """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh): planned from the built
     blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
@@ -71,7 +71,7 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
 
 def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
     """CP segment length (chunks) for this forward, or None (flash_qla/cp.py)."""
-    built = _built_blocks(OUT_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v)
+    built = tuple(_built_blocks(OUT_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v))
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
                                   capturing=torch.cuda.is_current_stream_capturing())
@@ -144,8 +144,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
-    eg_t, et_t, gam_t = (_empty(Hv, TC, device=dev, dtype=torch.float32) for _ in range(3))
-    bkk_max = _empty(Hv, TC // CHUNK, device=dev, dtype=torch.float32)
+    # one allocation for the four fp32 tiles (eager calls are host-bound on small rows: each costs ~3 us)
+    tiles = _empty(3 * Hv * TC + Hv * (TC // CHUNK), device=dev, dtype=torch.float32)
+    eg_t, et_t, gam_t = (tiles[i * Hv * TC:(i + 1) * Hv * TC].view(Hv, TC) for i in range(3))
+    bkk_max = tiles[3 * Hv * TC:].view(Hv, TC // CHUNK)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -168,7 +170,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     else:
         kernel = OUT_KERNEL if saved is None else FWD_KERNEL
         if saved is None:
-            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev)}
+            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
         else:
             variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save"),
                        "mode": "save"}
@@ -231,9 +233,9 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     # (fork / join by events, so a CUDA graph captures them as parallel branches)
     main, side = torch.cuda.current_stream(dev), _side_stream(dev)
     side.wait_stream(main)
-    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
+    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
             dict(pre, ht=h_in.data_ptr()), stream)
-    _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
+    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
             dict(pre, ht=m.data_ptr()), side.cuda_stream)
     main.wait_stream(side)
     for buf in (m, start, fallback, seg.cu, seg.slot):
@@ -244,7 +246,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
              "h0": (h0 if h0 is not None else h_in).data_ptr(), "h_in": h_in.data_ptr()}, stream)
     ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)
-    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
+    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
             dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
             dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
                  ht=ht_seg.data_ptr()), stream)

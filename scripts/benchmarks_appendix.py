@@ -46,8 +46,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | --- | --- | --- |
 | fwd TP1-397B 4096x8 | gdn_prepare 0.81 ms + gdn_fwd_st 0.81 = 1.62 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.12 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
-| fwd TP8 1x8192, CP at 16-chunk segments | pre-pass (gdn_fwd state/trans) 0.057, gdn_fwd_st 0.056, prepare 0.031, combine 0.029, gdn_cp_plan 0.012, torch 0.007 (11 launches a call) | CP forward 0.12-0.16 |
-| fwd TP8 1x32768, CP at 32-chunk segments | pre-pass 0.145, prepare 0.113, gdn_fwd_st 0.109, combine 0.060, gdn_cp_plan 0.028, torch 0.007 | CP forward 0.32-0.39 |
+| fwd TP8 1x8192, CP at 16-chunk segments | gdn_fwd_st (pre-pass and segments) 0.096, prepare 0.031, combine 0.029, gdn_cp_plan 0.012 (11 launches a call) | CP forward 0.12-0.16 |
+| fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.206, prepare 0.114, combine 0.061, gdn_cp_plan 0.028 | CP forward 0.32-0.39 |
 | bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 1.14, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.16 + gdn_fwd save build 0.22), casts 0.08 = 1.93 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 
 This session's forward changes, each measured on the H200 (TP1 4096x8 forward, graph): gdn_prepare's blocked
@@ -60,14 +60,15 @@ what remains on the full-GPU rows is gdn_prepare (0.81 ms vs FlashQLA's 0.44 ms 
 memory pipe at 86%, ~4.3K wavefronts per (chunk, head) over seven barrier-separated phases, 4 CTAs per SM) and
 the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.405 ms (0.98x FlashQLA), 28672+4096 0.393, 16384+16384
-0.369 (1.00x), 1x8192 0.180, 8192x4 0.364; TP2 1x32768 1.207 (1.04x), 1x8192 0.373; 2B-TP1 1x32768 0.645 (1.04x),
-28672+4096 0.637 (1.09x), 1x8192 0.235. This session took their fixed costs down: the tables went from ~80 torch
-launches (~0.1 ms GPU, ~1.2 ms host) to one `gdn_cp_plan` launch (0.012-0.028 ms), and the serial combine over the
-fallback (g = 0) heads from ~5.3 to ~3.7 us a segment (Z written in place by the warm-ups; a 4 x 2 register tile per
-thread). Eager calls now plan CP where it pays after the path's ~0.3 ms of host work (TP8 1x32768 eager 1.32 ->
-0.55 ms). What remains: the pre-pass (state and transition chains on the shared-memory-staged gdn_fwd builds,
-which the transposed-state layout would speed up as it did the output pass) and the combine's serial walk.
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.381 ms (1.04x FlashQLA), 28672+4096 0.374 (1.04x),
+16384+16384 0.350 (1.05x), 1x8192 0.168 (0.98x), 8192x4 0.344; TP2 1x32768 1.128 (1.11x), 1x8192 0.351; 2B-TP1
+1x32768 0.612 (1.10x), 28672+4096 0.608 (1.15x), 16384+16384 0.611 (0.95x), 1x8192 0.224 (0.99x). This session took
+their fixed costs down: the tables went from ~80 torch launches (~0.1 ms GPU, ~1.2 ms host) to one `gdn_cp_plan`
+launch (0.012-0.028 ms); the pre-pass moved to the transposed-state kernel (gdn_fwd_st's state / trans builds: TP8
+1x32768 pre-pass + segments 0.254 -> 0.206 ms); the serial combine over the fallback (g = 0) heads went from ~5.3 to
+~3.7 us a segment (Z written in place by the warm-ups; a 4 x 2 register tile per thread). Eager calls plan CP where it
+pays after the path's ~0.3 ms of host work (TP8 1x32768 eager 1.32 -> ~0.6 ms). The planner's constants and the
+measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
 
 Backward: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82): one CTA per SM (214 registers at
 256 threads, 208 KB smem), latency-bound; gdn_bwd_dh and the recompute's save build still stage the state through

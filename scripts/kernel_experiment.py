@@ -54,7 +54,7 @@ def main(families):
         out = []
         for fam in families:
             blocks = sorted({b["BV"] for b in loader.library().variants(fam)
-                             if (b["dtype"], b["K"], b["V"]) == ("bf16", 128, 128)})
+                             if (b["dtype"], b["K"], b["V"], b.get("mode", "out")) == ("bf16", 128, 128, "out")})
             for bv in blocks:
                 ops.OUT_KERNEL, ops.FORCE_BLOCK_V = fam, bv
                 ms = graph_ms(lambda: ops.forward(p, q, k, v, g, beta, h0, True, cu, False))

@@ -19,7 +19,7 @@ def poison(monkeypatch):
 
 
 def cp_variants():
-    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants("gdn_fwd")
+    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants(ops.OUT_KERNEL)
                    if v["mode"] == "state"})
 
 
@@ -50,8 +50,8 @@ def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
 
 
 def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
-    """TP8 1x8192 with the benchmark's distribution: eager and captured calls plan CP (side-stream fork/join
-    inside the graph), and the replay meets the tolerance and agrees with the plain path."""
+    """TP8 1x8192 with the benchmark's distribution: an eager call takes the plain path, a captured call plans
+    CP (side-stream fork/join inside the graph), and the replay meets the tolerance and agrees with the plain path."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     T, hq, hv, D = 8192, 2, 8, 128
     q = torch.nn.functional.normalize(torch.randn(1, T, hq, D, device="cuda", generator=gen), dim=-1).bfloat16()
@@ -64,7 +64,8 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     x = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
     problem = flash_qla.validation.validate_inputs(q, k, v, g, beta, None, h0, cu)
-    assert ops._segment_chunks(problem, "bf16", q.device) is not None  # eager calls plan CP too
+    # eager: CP's ~0.3 ms of host work exceeds its gain on this shape (cp.EAGER_HOST_COST), so the plain path
+    assert ops._segment_chunks(problem, "bf16", q.device) is None
     try:
         cp.FORCE_SEGMENT_CHUNKS = 0  # the plain path, for comparison
         o_plain, ht_plain = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)

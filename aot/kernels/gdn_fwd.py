@@ -1,5 +1,5 @@
-"""GDN state recurrence with the state staged through shared memory: the backward's recompute pass and the
-intra-card CP pre-pass. One CTA per (sequence, v-head, V-block) walks its sequence's chunks.
+"""GDN state recurrence with the state staged through shared memory: the backward's recompute pass.
+One CTA per (sequence, v-head, V-block) walks its sequence's chunks.
 
 gdn_prepare has done everything that depends on neither V nor the state (Agb = Gamma * A * beta_col,
 P = scale * Gamma * tril(Q K^T), eg = exp(gamma), et = exp(gamma_last - gamma)), so per chunk only the
@@ -12,24 +12,18 @@ Every tile (k, v, Agb, eg, et) arrives by TMA in a 2-stage software pipeline (Ti
 specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
 outputs are not stored. eg_last is the last valid row's.
-Builds (the mode axis, compile time):
-  save   the backward's recompute pass: stores, exactly as the chain used them (bf16/fp16), every chunk's
-         entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V].
-  state  intra-card CP pre-pass (flash_qla/cp.py): the state-only chain from S = 0 over a chunk range that
-         ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (per head: the gate-driven
-         warm-up), written to ht [n]; no output.
-  trans  the same range with V = 0 and S = I (V = K): the range's exact transition matrix M, for the heads
-         whose decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk).
+Builds (the mode axis): save, the backward's recompute pass: stores, exactly as the chain used them
+(bf16/fp16), every chunk's entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V]. (The CP
+pre-pass builds moved to gdn_fwd_st, whose transposed-state chain is faster.)
 """
 import tilelang.language as T
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
-            "mode": ["save", "state", "trans"]}
+            "mode": ["save"]}
 # BV: the V columns one CTA owns (flash_qla/planner.py trades chain count against chain cost). BV = 128
 # was built and measured on the H200: its chains took ~2x BV = 64's, so it never paid and is not built.
-# the CP pre-pass builds: one V block (64, they are never the only work on the GPU); trans needs V = K
-VARIANT_RULE = "BV <= V and (mode == 'save' or BV == 64) and (mode != 'trans' or V == K)"
+VARIANT_RULE = "BV <= V"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
@@ -37,9 +31,7 @@ STAGES = 2
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
     dt = DTYPES[dtype]
-    save = mode == "save"
-    cp = mode in ("state", "trans")   # CP pre-pass: range from start[n, h] to cu_seqlens[n]
-    trans = mode == "trans"
+    assert mode == "save", mode
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -60,8 +52,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
         hs: T.Tensor((TC // C, Hv, K, V), dt),
         w: T.Tensor((NT, Hv, V), dt),
         vnew: T.Tensor((NT, Hv, V), dt),
-        start: T.Tensor((N, Hv), "int32"),
-        fallback: T.Tensor((N, Hv), "int32"),
         use_h0: T.int32,
         store_ht: T.int32,
     ):
@@ -83,61 +73,42 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
             slot0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
-            if cp:  # compile time: the chain ends where segment n begins, chunk aligned
-                eos = cu_seqlens[n]
-                bos = start[n, h]
-                if trans:
-                    if fallback[n, h] == 0:
-                        bos = eos
-                c0 = chunk_offsets[n] - (eos - bos) // C
-            else:
-                bos = cu_seqlens[n]          # held in registers: an inlined global read would repeat per chunk
-                eos = cu_seqlens[n + 1]
-                c0 = chunk_offsets[n]
+            bos = cu_seqlens[n]          # held in registers: an inlined global read would repeat per chunk
+            eos = cu_seqlens[n + 1]
+            c0 = chunk_offsets[n]
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
-            if trans:
-                for kk, d in T.Parallel(K, BV):
-                    S[kk, d] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
-            elif use_h0 != 0:
+            if use_h0 != 0:
                 T.copy(h0[n, h, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
                 t0 = bos + c * C
                 T.copy(k[t0:t0 + C, hk, :], k_s)
-                if not trans:
-                    T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
+                T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(S, s_s)
                 T.gemm(k_s, s_s, ks, clear_accum=True)
-                if trans:  # V = 0: the homogeneous chain
-                    for i, d in T.Parallel(C, BV):
-                        w_s[i, d] = T.cast(-eg_s[i] * ks[i, d], dt)
-                else:
-                    for i, d in T.Parallel(C, BV):
-                        w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
+                for i, d in T.Parallel(C, BV):
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
                 T.gemm(agb_s, w_s, vn, clear_accum=True)
-                if save:  # compile time: the recompute build stores what the chain used
-                    for i, d in T.Parallel(C, BV):
-                        vn_s[i, d] = T.cast(vn[i, d], dt)
-                        vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
-                    T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
-                    for i, d in T.Parallel(C, BV):
-                        if i < valid:
-                            w[t0 + i, h, v0 + d] = w_s[i, d]
-                            vnew[t0 + i, h, v0 + d] = vn_s[i, d]
-                else:
-                    for i, d in T.Parallel(C, BV):
-                        vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
+                # the recompute stores what the chain used
+                for i, d in T.Parallel(C, BV):
+                    vn_s[i, d] = T.cast(vn[i, d], dt)
+                    vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
+                T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
+                for i, d in T.Parallel(C, BV):
+                    if i < valid:
+                        w[t0 + i, h, v0 + d] = w_s[i, d]
+                        vnew[t0 + i, h, v0 + d] = vn_s[i, d]
                 for kk, d in T.Parallel(K, BV):
                     S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.gemm(k_s, vd_s, S, transpose_A=True)
-            if store_ht != 0 or cp:
+            if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])
 
     return gdn_fwd

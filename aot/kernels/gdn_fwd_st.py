@@ -1,4 +1,5 @@
-"""GDN forward recurrence with the transposed state in registers: o and the final state.
+"""GDN forward recurrence with the transposed state in registers: o and the final state (mode "out"), and
+the intra-card CP pre-pass chains (modes "state" and "trans", flash_qla/cp.py).
 
 The chain of gdn_fwd's out build, written on S^T (BV x K, fp32) so that every product takes its state-side
 operand from registers (wgmma's A operand may be a register fragment; B must be shared memory):
@@ -15,17 +16,26 @@ Measured on the H200 (TP1 4096x8, forward-kernel time): ~0.80 ms at BV = 128 vs 
 shared-memory-staged out build at its best block; one chain's chunk ~2.5 us (BV = 64) / ~3.1 us (BV = 128).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; they are not
 stored. eg_last is the last valid row's.
+CP pre-pass builds (no q, P or output): "state" runs the state-only chain from S = 0 over the chunk range that
+ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-driven warm-up), into ht[n];
+"trans" the same range with V = 0 and S = I (V = K), the range's exact transition M, for the heads whose
+decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk).
 """
 import tilelang.language as T
 
 C = 64
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128]}
-VARIANT_RULE = "BV <= V"
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128],
+            "mode": ["out", "state", "trans"]}
+# the CP pre-pass builds: one V block (64: they are never the only work on the GPU); trans needs V = K
+VARIANT_RULE = "BV <= V and (mode == 'out' or BV == 64) and (mode != 'trans' or V == K)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def build(dtype: str, K: int, V: int, BV: int):
+def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
     dt = DTYPES[dtype]
+    output = mode == "out"
+    cp = mode in ("state", "trans")  # CP pre-pass: the range from start[n, h] to cu_seqlens[n], no output
+    trans = mode == "trans"
     # one warpgroup (BV = 64) leaves shared memory for a third stage: 2-5% faster chains (H200, TP8 1x32768 /
     # TP2 1x8192); with two (BV = 128) the third stage measured 1-3% slower
     stages = 3 if BV == 64 else 2
@@ -49,6 +59,8 @@ def build(dtype: str, K: int, V: int, BV: int):
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         o: T.Tensor((NT, Hv, V), dt),
         ht: T.Tensor((N, Hv, K, V), "float32"),
+        start: T.Tensor((N, Hv), "int32"),
+        fallback: T.Tensor((N, Hv), "int32"),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
@@ -77,46 +89,72 @@ def build(dtype: str, K: int, V: int, BV: int):
             eos = T.alloc_var("int32")
             slot0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            slot0 = chunk_offsets[n] * C
+            c0 = T.alloc_var("int32")
+            if cp:  # compile time: the chain ends where segment n begins, chunk aligned
+                eos = cu_seqlens[n]
+                bos = start[n, h]
+                if trans:
+                    if fallback[n, h] == 0:
+                        bos = eos
+                c0 = chunk_offsets[n] - (eos - bos) // C
+            else:
+                bos = cu_seqlens[n]
+                eos = cu_seqlens[n + 1]
+                c0 = chunk_offsets[n]
+            slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
-            if use_h0 != 0:
+            if trans:  # S = I (V = K): S^T's rows are the block's columns of the identity
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
+            elif use_h0 != 0:
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = h0[n, h, kk, v0 + d]
             else:
                 T.clear(st)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=stages):
                 t0 = bos + c * C
-                T.copy(q[t0:t0 + C, hk, :], q_s)
+                if output:  # compile time: only the output pass needs q, P, (Q S)^T and O
+                    T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
-                T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
+                if not trans:
+                    T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
-                T.copy(p[t0:t0 + C, h, :], p_s)
+                if output:
+                    T.copy(p[t0:t0 + C, h, :], p_s)
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(st, st_b)
                 T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for d, i in T.Parallel(BV, C):
-                    wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
+                if output:
+                    T.gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if trans:  # V = 0: the homogeneous chain
+                    for d, i in T.Parallel(BV, C):
+                        wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
+                else:
+                    for d, i in T.Parallel(BV, C):
+                        wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
                 T.gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for d, i in T.Parallel(BV, C):
-                    vnt_b[d, i] = T.cast(vnt[d, i], dt)
-                    vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
-                    qst[d, i] = qst[d, i] * (eg_s[i] * scale)
+                if output:
+                    for d, i in T.Parallel(BV, C):
+                        vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
+                        qst[d, i] = qst[d, i] * (eg_s[i] * scale)
+                else:
+                    for d, i in T.Parallel(BV, C):
+                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = st[d, kk] * eg_s[valid - 1]
                 T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for d, i in T.Parallel(BV, C):
-                    o_s[i, d] = T.cast(qst[d, i], dt)
-                for i, d in T.Parallel(C, BV):
-                    if i < valid:
-                        o[t0 + i, h, v0 + d] = o_s[i, d]
-            if store_ht != 0:
+                if output:
+                    T.gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for d, i in T.Parallel(BV, C):
+                        o_s[i, d] = T.cast(qst[d, i], dt)
+                    for i, d in T.Parallel(C, BV):
+                        if i < valid:
+                            o[t0 + i, h, v0 + d] = o_s[i, d]
+            if store_ht != 0 or cp:
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk, v0 + d] = st[d, kk]
 
