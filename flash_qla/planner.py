@@ -15,6 +15,7 @@ Chain costs (relative per-chunk time of one chain, H200, CUDA graphs):
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, Iterable
 
@@ -30,9 +31,14 @@ def chain_time(chains: int, head_dim_v: int, bv: int, num_sms: int, costs: Dict[
 
 def plan_block_v(num_seqs: int, num_v_heads: int, head_dim_v: int, available: Iterable[int], num_sms: int,
                  costs: Dict[int, float] = OUT_CHAIN_COST) -> int:
-    blocks = sorted(set(available))
+    blocks = tuple(sorted(set(available)))
     if not blocks:
         raise ValueError(f"no V block is built for V = {head_dim_v}")
+    return _plan(num_seqs * num_v_heads, head_dim_v, blocks, num_sms, tuple(sorted(costs.items())))
+
+
+@functools.lru_cache(maxsize=4096)  # every forward asks; eager calls of small rows are host-bound
+def _plan(chains: int, head_dim_v: int, blocks: tuple, num_sms: int, costs: tuple) -> int:
+    table = dict(costs)
     # min keeps the first of equals: the widest block
-    return min(reversed(blocks),
-               key=lambda bv: chain_time(num_seqs * num_v_heads, head_dim_v, bv, num_sms, costs))
+    return min(reversed(blocks), key=lambda bv: chain_time(chains, head_dim_v, bv, num_sms, table))

@@ -60,9 +60,9 @@ what remains on the full-GPU rows is gdn_prepare (0.81 ms vs FlashQLA's 0.44 ms 
 memory pipe at 86%, ~4.3K wavefronts per (chunk, head) over seven barrier-separated phases, 4 CTAs per SM) and
 the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.381 ms (1.04x FlashQLA), 28672+4096 0.374 (1.04x),
-16384+16384 0.350 (1.05x), 1x8192 0.168 (0.98x), 8192x4 0.344; TP2 1x32768 1.128 (1.11x), 1x8192 0.351; 2B-TP1
-1x32768 0.612 (1.10x), 28672+4096 0.608 (1.15x), 16384+16384 0.611 (0.95x), 1x8192 0.224 (0.99x). This session took
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.382 ms (1.04x FlashQLA), 28672+4096 0.373 (1.04x),
+16384+16384 0.345 (1.06x), 1x8192 0.168 (0.98x), 8192x4 0.338; TP2 1x32768 1.127 (1.11x), 1x8192 0.351; 2B-TP1
+1x32768 0.607 (1.10x), 28672+4096 0.604 (1.15x), 16384+16384 0.612 (0.95x), 1x8192 0.222 (1.00x). This session took
 their fixed costs down: the tables went from ~80 torch launches (~0.1 ms GPU, ~1.2 ms host) to one `gdn_cp_plan`
 launch (0.012-0.028 ms); the pre-pass moved to the transposed-state kernel (gdn_fwd_st's state / trans builds: TP8
 1x32768 pre-pass + segments 0.254 -> 0.206 ms); the serial combine over the fallback (g = 0) heads went from ~5.3 to
