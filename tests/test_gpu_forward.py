@@ -70,6 +70,23 @@ def test_forward_matches_fp64_reference(variant, case, monkeypatch):
         assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, "final_state")
 
 
+@pytest.mark.parametrize("variant", variants())
+def test_fused_l2norm_matches_fp64_reference(variant, monkeypatch):
+    """use_qk_l2norm_in_kernel on unnormalised q / k (norms ~3 and ~0.5): gdn_prepare normalises the tiles
+    it loads and hands them to the output pass; GVA group of 3 so one v-head stores each group's rows."""
+    tag, K, V, BV = variant
+    monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    x = draw(LENGTHS["mixed"], 2, 6, K, V, dtype, seed=K + V + 5)
+    x["q"], x["k"] = (x["q"].float() * 3).to(dtype), (x["k"].float() * 0.5).to(dtype)
+    o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    d = {n: (t.double() if t is not None else None) for n, t in x.items() if n != "cu_seqlens"}
+    o_ref, ht_ref = reference.chunked_gated_delta_rule(**d, output_final_state=True, cu_seqlens=x["cu_seqlens"].cpu(),
+                                                       use_qk_l2norm_in_kernel=True)
+    assert reference.relative_l2(o, o_ref) <= TOL[dtype] and reference.relative_l2(ht, ht_ref) <= TOL[dtype]
+
+
 def test_dense_batch_and_scale_and_l2norm():
     x = draw([300, 300], 2, 4, 128, 128, torch.bfloat16, seed=7)
     dense = {n: x[n].reshape(2, 300, *x[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")}
