@@ -44,6 +44,22 @@ def build(dtype: str, K: int):
     N = T.dynamic("N")
     TC = T.dynamic("TC")  # chunk slots x 64
 
+    @T.macro
+    def tile_product(out, lrow, brow, a, a_row, a_col, b, b_row, b_col):
+        """out (a thread's 2 x 4 register tile) += a[a_row:+2, a_col:+16] @ b[b_row:+16, b_col:+4], the operands
+        staged in lrow / brow by 16-byte shared loads (scalar loads, two per FMA, saturated the shared-memory pipe)."""
+        for kx in T.unroll(0, B, 4):
+            for rr in T.unroll(2):
+                for u in T.vectorized(4):
+                    lrow[rr * 4 + u] = a[a_row + rr, a_col + kx + u]
+            for kr in T.unroll(4):
+                for u in T.vectorized(4):
+                    brow[kr * 4 + u] = b[b_row + kx + kr, b_col + u]
+            for rr in T.unroll(2):
+                for kr in T.unroll(4):
+                    for u in T.unroll(4):
+                        out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+
     @T.prim_func
     def gdn_prepare(
         q: T.Tensor((NT, Hq, K), dt),
@@ -165,17 +181,8 @@ def build(dtype: str, K: int):
                         for u in T.unroll(8):
                             out[u] = 0.0
                         for m in T.unroll(d):
-                            for kx in T.unroll(0, B, 4):
-                                for rr in T.unroll(2):
-                                    for u in T.vectorized(4):
-                                        lrow[rr * 4 + u] = lower[r * B + i0 + rr, (warp + m) * B + kx + u]
-                                for kr in T.unroll(4):
-                                    for u in T.vectorized(4):
-                                        brow[kr * 4 + u] = ainv[(warp + m) * B + kx + kr, warp * B + j0 + u]
-                                for rr in T.unroll(2):
-                                    for kr in T.unroll(4):
-                                        for u in T.unroll(4):
-                                            out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+                            tile_product(out, lrow, brow, lower, r * B + i0, (warp + m) * B, ainv, (warp + m) * B,
+                                         warp * B + j0)
                         for rr in T.unroll(2):
                             for u in T.vectorized(4):
                                 tmp[warp * B + i0 + rr, j0 + u] = out[rr * 4 + u]
@@ -184,17 +191,7 @@ def build(dtype: str, K: int):
                         r = warp + d
                         for u in T.unroll(8):
                             out[u] = 0.0
-                        for kx in T.unroll(0, B, 4):
-                            for rr in T.unroll(2):
-                                for u in T.vectorized(4):
-                                    lrow[rr * 4 + u] = ainv[r * B + i0 + rr, r * B + kx + u]
-                            for kr in T.unroll(4):
-                                for u in T.vectorized(4):
-                                    brow[kr * 4 + u] = tmp[warp * B + kx + kr, j0 + u]
-                            for rr in T.unroll(2):
-                                for kr in T.unroll(4):
-                                    for u in T.unroll(4):
-                                        out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+                        tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
                         for rr in T.unroll(2):
                             for u in T.vectorized(4):
                                 ainv[r * B + i0 + rr, warp * B + j0 + u] = -out[rr * 4 + u]
