@@ -49,7 +49,7 @@ def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
+def test_planned_cp_on_a_benchmark_shape_under_graph_capture(monkeypatch):
     """TP8 1x8192 with the benchmark's distribution: an eager call takes the plain path, a captured call plans
     CP (side-stream fork/join inside the graph), and the replay meets the tolerance and agrees with the plain path."""
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -66,11 +66,9 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
     problem = flash_qla.validation.validate_inputs(q, k, v, g, beta, None, h0, cu)
     # eager: CP's ~0.3 ms of host work exceeds its gain on this shape (cp.EAGER_HOST_COST), so the plain path
     assert ops._segment_chunks(problem, "bf16", q.device) is None
-    try:
-        cp.FORCE_SEGMENT_CHUNKS = 0  # the plain path, for comparison
-        o_plain, ht_plain = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    finally:
-        cp.FORCE_SEGMENT_CHUNKS = None
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)  # the plain path, for comparison
+    o_plain, ht_plain = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", None)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -91,7 +89,7 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture():
 
 @pytest.mark.parametrize("L", [1, 2, 5])
 @pytest.mark.parametrize("unit_keys", [True, False])
-def test_plan_kernel_matches_torch_tables(L, unit_keys):
+def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
     """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables on gdn_prepare's real outputs:
     varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound."""
     x = draw(LENGTHS, 2, 6, 64, 64, torch.bfloat16, seed=L)
@@ -105,12 +103,9 @@ def test_plan_kernel_matches_torch_tables(L, unit_keys):
         captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream))
         return captured["out"]
 
-    ops._cp_tables = spy
-    try:
-        cp.FORCE_SEGMENT_CHUNKS = L
-        flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    finally:
-        ops._cp_tables, cp.FORCE_SEGMENT_CHUNKS = real, None
+    monkeypatch.setattr(ops, "_cp_tables", spy)
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", L)
+    flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     seg, start, fallback = captured["out"]
     t = captured["t"]
     T = int(x["cu_seqlens"][-1])
