@@ -19,7 +19,7 @@ import torch
 
 from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v
+from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_heads_per_cta
 from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
@@ -27,6 +27,7 @@ CHUNK = 64
 FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
 OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
+FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
 _SMS: dict = {}
 # Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
 POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
@@ -153,7 +154,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     h0 = initial_state.contiguous() if initial_state is not None else None
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     tag = _DTYPE_TAG[dt]
-    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None)),
+    hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(TC // CHUNK, Hv, problem.num_qk_heads, _num_sms(dev))
+    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None), hpc=hpc),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),

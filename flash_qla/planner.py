@@ -42,3 +42,25 @@ def _plan(chains: int, head_dim_v: int, blocks: tuple, num_sms: int, costs: tupl
     table = dict(costs)
     # min keeps the first of equals: the widest block
     return min(reversed(blocks), key=lambda bv: chain_time(chains, head_dim_v, bv, num_sms, table))
+
+
+# gdn_prepare: one CTA per (chunk, group of hpc v-heads sharing a q / k head). The group shares the prologue
+# (chunk lookup, q / k tiles, g / beta loads, both 64 x 64 x K products); each head adds its solve and stores.
+PREPARE_MAX_HEADS = 4      # aot/kernels/gdn_prepare.py HPC_MAX
+PREPARE_CTAS_PER_SM = 4    # its shared memory and register budget
+PREPARE_SHARED_COST = 0.5  # the shared part and one head's part, relative to a one-head CTA (ncu samples)
+PREPARE_HEAD_COST = 0.5
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, num_sms: int) -> int:
+    """v-heads per gdn_prepare CTA: a divisor of the GVA ratio Hv / Hq (so one CTA reads one q / k head), at
+    most PREPARE_MAX_HEADS, minimising waves x CTA time (more heads per CTA: fewer, longer CTAs)."""
+    ratio = num_v_heads // num_qk_heads
+    slots = PREPARE_CTAS_PER_SM * num_sms
+
+    def cost(d: int) -> float:
+        return math.ceil(chunk_slots * num_v_heads / d / slots) * (PREPARE_SHARED_COST + d * PREPARE_HEAD_COST)
+
+    candidates = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0]
+    return min(reversed(candidates), key=cost)  # ties: the most heads per CTA

@@ -6,6 +6,7 @@ import torch
 
 import flash_qla
 from flash_qla import cp, ops, reference
+from flash_qla.validation import validate_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -68,6 +69,31 @@ def test_forward_matches_fp64_reference(variant, case, monkeypatch):
         o_ref, ht_ref = fp64_reference(x)
         assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, "o")
         assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, "final_state")
+
+
+@pytest.mark.parametrize("tag", ["bf16", "fp16"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_prepare_heads_per_cta_agree(tag, K, monkeypatch):
+    """gdn_prepare's head groups (1, 2 or 4 v-heads of one q / k head per CTA; 3 for a ratio of 3): every
+    grouping matches the fp64 reference and gives bit-identical outputs (each head's arithmetic is the same)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    for (hq, hv), groups in (((2, 8), (1, 2, 4)), ((1, 3), (1, 3))):
+        x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], hq, hv, K, K, dtype, seed=K + hv)
+        o_ref, ht_ref = fp64_reference(x)
+        problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                  cu_seqlens=x["cu_seqlens"])
+        results = []
+        for hpc in groups:
+            monkeypatch.setattr(ops, "FORCE_HEADS_PER_CTA", hpc)
+            o, ht, A, _ = ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], True,
+                                      x["cu_seqlens"], False, want_gate_free_inverse=True)
+            assert torch.isfinite(o).all() and torch.isfinite(ht).all() and torch.isfinite(A).all(), hpc
+            assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, hpc, "o")
+            assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, hpc, "final_state")
+            results.append((o, ht, A))
+        for hpc, (o, ht, A) in zip(groups[1:], results[1:]):
+            assert torch.equal(o, results[0][0]) and torch.equal(ht, results[0][1]), hpc
+            assert torch.equal(A, results[0][2]), hpc
 
 
 @pytest.mark.parametrize("variant", variants())

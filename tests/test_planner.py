@@ -1,7 +1,8 @@
 """The V-block planner: fewest waves x chain cost; narrow only when it adds no wave."""
 import pytest
 
-from flash_qla.planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v
+from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
+                              plan_heads_per_cta)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -29,3 +30,16 @@ def test_plan_staged_chains(n, hv, V, blocks, want):
 def test_no_block_built_is_an_error():
     with pytest.raises(ValueError, match="no V block is built for V = 96"):
         plan_block_v(1, 1, 96, [], 132)
+
+
+@pytest.mark.parametrize("slots,hv,hq,want", [
+    (520, 64, 16, 4),   # TP1 4096x8: 33k one-head CTAs, many waves: whole GVA groups
+    (129, 8, 2, 2),     # TP8 1x8192: two waves of one-head CTAs become one of two-head CTAs
+    (33, 8, 2, 1),      # TP8 1x2048: one wave either way, the shortest CTA wins
+    (520, 48, 16, 3),   # a GVA ratio of 3: its divisor
+    (520, 40, 8, 1),    # a ratio of 5 has no divisor in 2..4
+    (520, 16, 16, 1),   # no GVA
+])
+def test_plan_heads_per_cta(slots, hv, hq, want):
+    d = plan_heads_per_cta(slots, hv, hq, 132)
+    assert d == want and (hv // hq) % d == 0 and d <= PREPARE_MAX_HEADS

@@ -24,15 +24,17 @@ import tilelang.language as T
 C = 64
 B = 16            # diagonal block of the blocked inverse
 NB = C // B
+HPC_MAX = 4       # v-heads per CTA at most (flash_qla/planner.py picks how many, a divisor of Hv / Hq)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 128     # one warpgroup: the two 64 x 64 x K products are single wgmmas
-# Liveness-based shared-memory reuse (q / k tiles give way to L, P, the inverse): 50 KB instead of 80 KB,
-# four CTAs per SM instead of two. Safe here because every buffer that takes another's place is first
-# written in a statement after a CTA barrier that follows the last read of the other (unlike a
+# Liveness-based shared-memory reuse (the q / k tiles give way to K K^T, Q K^T and the inverse): 52 KB instead
+# of 85 KB, four CTAs per SM instead of two. Safe here because every buffer that takes another's place is
+# first written in a statement after a CTA barrier that follows the last read of the other (unlike a
 # warp-specialised pipeline, where the producer writes while consumers read: gdn_fwd must not use it).
 PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True}
 H = C // 2        # a warp: the second warp of the 64 threads that own a row each
+ROWS_PER_PASS = THREADS // 8   # output stores: 8 threads cover a row (8 columns, 16 bytes each)
 LOG2E = 1.4426950408889634
 
 
@@ -77,31 +79,37 @@ def build(dtype: str, K: int):
         bkk_max: T.Tensor((Hv, TC // C), "float32"),
         scale: T.float32,
         write_a: T.int32,
+        hpc: T.int32,
     ):
-        # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit
-        with T.Kernel(T.ceildiv(NT, C) + N, Hv, threads=THREADS) as (bc, h):
+        # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
+        # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
+        with T.Kernel(T.ceildiv(NT, C) + N, Hv // hpc, threads=THREADS) as (bc, hg):
+            # four CTAs per SM (shared memory allows four): at most 128 registers per thread
+            T.annotate_min_blocks_per_sm(4)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             kk = T.alloc_fragment((C, C), "float32")
             qk = T.alloc_fragment((C, C), "float32")
-            p_s = T.alloc_shared((C, C + 8), dt)  # padded rows: the MMA-layout stores hit 8-way bank conflicts (ncu)
-            # padded rows: the MMA-layout stores hit 4.4-way bank conflicts without (ncu)
-            lower = T.alloc_shared((C, C + 4), "float32")
+            # K K^T and scale Q K^T, shared by the group's heads: beta scales K K^T's rows and the gate
+            # multiplies both per head. Padded rows: the MMA-layout stores hit 4-8-way bank conflicts without (ncu)
+            kk_s = T.alloc_shared((C, C + 4), "float32")
+            qk_s = T.alloc_shared((C, C + 8), dt)
             ainv = T.alloc_shared((C, C + 4), "float32")
             tmp = T.alloc_shared((C, B + 4), "float32")
-            graw = T.alloc_shared((C,), "float32")
-            red = T.alloc_shared((1,), "float32")
-            b_s = T.alloc_shared((C,), "float32")
-            gam = T.alloc_shared((C,), "float32")
+            graw = T.alloc_shared((HPC_MAX, C), "float32")
+            gam = T.alloc_shared((HPC_MAX, C), "float32")
+            b_s = T.alloc_shared((HPC_MAX, C), "float32")
             x = T.alloc_local((B,), "float32")
             out = T.alloc_local((8,), "float32")
             lrow = T.alloc_local((8,), "float32")
             brow = T.alloc_local((16,), "float32")
+            csum = T.alloc_local((HPC_MAX // 2,), "float32")
             vals = T.alloc_local((8,), dt)
-            pv = T.alloc_local((8,), dt)
+            pvals = T.alloc_local((8,), dt)
+            qv = T.alloc_local((8,), dt)
             a8 = T.alloc_local((8,), "float32")
-            g8 = T.alloc_local((8,), "float32")
-            b8 = T.alloc_local((8,), "float32")
+            gcol = T.alloc_local((8,), "float32")
+            bcol = T.alloc_local((8,), "float32")
             loaded = T.alloc_barrier(THREADS)
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
@@ -124,121 +132,146 @@ def build(dtype: str, K: int):
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
                 eos = cu_seqlens[lo + 1]
-                hk = h // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
+                hk = hg * hpc // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
                 valid = T.min(eos - t0, C)
                 tid = T.get_thread_binding()
                 # Unmasked q / k tiles: rows past the sequence end (the next sequence's, or zero past T) only
-                # reach rows >= valid of K K^T, Q K^T, L and A, which are never stored nor read by valid rows.
-                # both tiles by TMA (one elected thread; rows past T arrive as zeros) while every thread
+                # reach rows >= valid of K K^T, Q K^T and A, which are never stored nor read by valid rows.
+                # Both tiles by TMA (one elected thread; rows past T arrive as zeros) while every thread
                 # fetches beta and g: the per-thread copy with bounds checks was ~19% of the instructions (ncu)
                 T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=loaded[0])
                 T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=loaded[0])
                 T.barrier_arrive(loaded[0])
-                for i in T.Parallel(C):
-                    b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
-                    graw[i] = T.if_then_else(i < valid, g[t0 + i, h], 0.0)
-                T.mbarrier_wait_parity(loaded[0], 0)
-                # gamma_i: each of 64 threads sums its prefix in order (the serial cumsum's rounding, no
-                # 64-step chain through shared memory); past the end gamma stays at the last value
-                if tid < C:
-                    acc = 0.0
-                    for j in T.unroll(C):
-                        if j <= tid:
-                            acc += graw[j]
-                # every read of graw before any write of gam: the aggressive shared-memory merge below
-                # lets gam take graw's place
+                # the group's beta and g, [head, row]; neighbouring threads read neighbouring heads of a row
+                for it in T.serial(T.ceildiv(C * hpc, THREADS)):
+                    idx = it * THREADS + tid
+                    if idx < C * hpc:
+                        row = idx // hpc
+                        hj = idx % hpc
+                        b_s[hj, row] = T.if_then_else(row < valid, beta[t0 + row, hg * hpc + hj], 0.0)
+                        graw[hj, row] = T.if_then_else(row < valid, g[t0 + row, hg * hpc + hj], 0.0)
                 T.sync_threads()
-                if tid < C:
-                    gam[tid] = acc
+                # gamma_i: thread (tid % 64) sums its prefix in order (the serial cumsum's rounding, no 64-step
+                # chain through shared memory), the two halves of the warpgroup take alternate heads;
+                # past the end gamma stays at the last value
+                for jj in T.unroll(HPC_MAX // 2):
+                    hj = jj * 2 + tid // C
+                    csum[jj] = 0.0
+                    if hj < hpc:
+                        for j in T.unroll(C):
+                            if j <= tid % C:
+                                csum[jj] += graw[hj, j]
+                # every read of graw before any write of gam (the shared-memory merge may let gam take its place)
+                T.sync_threads()
+                for jj in T.unroll(HPC_MAX // 2):
+                    hj = jj * 2 + tid // C
+                    if hj < hpc:
+                        gam[hj, tid % C] = csum[jj]
+                T.mbarrier_wait_parity(loaded[0], 0)
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
-                # Unmasked (so the stores pair up): the solve reads L only below the diagonal (the diagonal,
-                # beta |k|^2, rides along for bkk_t), and P's upper triangle (possibly inf) is zeroed on the way out
+                # every warp's products done before kk_s / qk_s (which may take q_s / k_s's place) are written
+                T.sync_threads()
+                # Unmasked: the solve reads K K^T only below the diagonal (the diagonal, |k|^2, rides along for
+                # bkk_max), and the upper triangles are zeroed on the way out
                 for i, j in T.Parallel(C, C):
-                    lower[i, j] = b_s[i] * kk[i, j]
-                    p_s[i, j] = T.cast(qk[i, j] * T.exp2((gam[i] - gam[j]) * LOG2E) * scale, dt)
-                # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
-                # x_i = [i == col] - sum_{j<i} L_ij x_j within the block (x_i = 0 above the diagonal)
-                if tid < C:
-                    d0 = (tid // B) * B
-                    for i in T.unroll(B):
-                        acc = 0.0
-                        for j in T.unroll(i):
-                            acc += lower[d0 + i, d0 + j] * x[j]
-                        x[i] = T.if_then_else(i == tid - d0, 1.0, -acc)
-                    for i in T.unroll(B):
-                        ainv[d0 + i, tid] = x[i]
-                # below the diagonal, one block diagonal at a time (d = block distance): first
-                # tmp_c = sum_{m=c}^{r-1} L_rm A_mc, then A_rc = -A_rr tmp_c, for r = d..3, c = r - d.
-                # Warp c owns block (r, c); each lane a 2 x 4 tile, so operands arrive as 16-byte shared
-                # loads (6 per 32 FMAs: scalar loads, 2 per FMA, saturated the shared-memory pipe, ncu)
+                    kk_s[i, j] = kk[i, j]
+                    qk_s[i, j] = T.cast(qk[i, j] * scale, dt)
+                T.sync_threads()
                 warp = tid // 32
                 i0 = (tid % 32) // 4 * 2
                 j0 = tid % 4 * 4
-                for d in T.unroll(1, NB):
-                    if warp < NB - d:
-                        r = warp + d
-                        for u in T.unroll(8):
-                            out[u] = 0.0
-                        for m in T.unroll(d):
-                            tile_product(out, lrow, brow, lower, r * B + i0, (warp + m) * B, ainv, (warp + m) * B,
-                                         warp * B + j0)
-                        for rr in T.unroll(2):
-                            for u in T.vectorized(4):
-                                tmp[warp * B + i0 + rr, j0 + u] = out[rr * 4 + u]
+                c0 = tid % 8 * 8     # output columns of this thread
+                for hj in T.serial(hpc):
+                    h = hg * hpc + hj
+                    # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
+                    # x_i = [i == col] - beta_i sum_{j<i} (K K^T)_ij x_j within the block (0 above the diagonal)
+                    if tid < C:
+                        d0 = (tid // B) * B
+                        for i in T.unroll(B):
+                            acc = 0.0
+                            for j in T.unroll(i):
+                                acc += kk_s[d0 + i, d0 + j] * x[j]
+                            x[i] = T.if_then_else(i == tid - d0, 1.0, -b_s[hj, d0 + i] * acc)
+                        for i in T.unroll(B):
+                            ainv[d0 + i, tid] = x[i]
                     T.sync_threads()
-                    if warp < NB - d:
-                        r = warp + d
-                        for u in T.unroll(8):
-                            out[u] = 0.0
-                        tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
-                        for rr in T.unroll(2):
-                            for u in T.vectorized(4):
-                                ainv[r * B + i0 + rr, warp * B + j0 + u] = -out[rr * 4 + u]
-                    T.sync_threads()
-                # outputs row by row: thread tid stores 32 columns of row tid // 2 as four 16-byte stores
-                # (TileLang's layout for the 64 x 64 pass stored 2 bytes per thread and instruction)
-                row = tid // 2
-                c0 = tid % 2 * (C // 2)
-                if row < valid:
-                    gr = gam[row]
-                    for cc in T.unroll(0, C // 2, 8):
-                        for half in T.unroll(2):
-                            for u in T.vectorized(4):
-                                a8[half * 4 + u] = ainv[row, c0 + cc + half * 4 + u]
-                                g8[half * 4 + u] = gam[c0 + cc + half * 4 + u]
-                                b8[half * 4 + u] = b_s[c0 + cc + half * 4 + u]
-                        for u in T.unroll(8):
-                            vals[u] = T.if_then_else(row >= c0 + cc + u,
-                                                     T.cast(a8[u] * T.exp2((gr - g8[u]) * LOG2E) * b8[u], dt),
-                                                     T.cast(0, dt))
-                        for u in T.vectorized(8):
-                            agb[t0 + row, h, c0 + cc + u] = vals[u]
-                        for u in T.vectorized(8):
-                            pv[u] = p_s[row, c0 + cc + u]
-                        for u in T.unroll(8):
-                            vals[u] = T.if_then_else(row >= c0 + cc + u, pv[u], T.cast(0, dt))
-                        for u in T.vectorized(8):
-                            p[t0 + row, h, c0 + cc + u] = vals[u]
-                        if write_a != 0:
+                    # below the diagonal, one block diagonal at a time (d = block distance): first
+                    # tmp_c = sum_{m=c}^{r-1} L_rm A_mc with L_rm = diag(beta_r) (K K^T)_rm, then A_rc = -A_rr tmp_c,
+                    # for r = d..3, c = r - d. Warp c owns block (r, c); each lane a 2 x 4 tile, so operands
+                    # arrive as 16-byte shared loads (6 per 32 FMAs)
+                    for d in T.unroll(1, NB):
+                        if warp < NB - d:
+                            r = warp + d
                             for u in T.unroll(8):
-                                vals[u] = T.if_then_else(row >= c0 + cc + u, T.cast(a8[u], dt), T.cast(0, dt))
+                                out[u] = 0.0
+                            for m in T.unroll(d):
+                                tile_product(out, lrow, brow, kk_s, r * B + i0, (warp + m) * B, ainv, (warp + m) * B,
+                                             warp * B + j0)
+                            for rr in T.unroll(2):
+                                for u in T.unroll(4):
+                                    out[rr * 4 + u] = out[rr * 4 + u] * b_s[hj, r * B + i0 + rr]
+                            for rr in T.unroll(2):
+                                for u in T.vectorized(4):
+                                    tmp[warp * B + i0 + rr, j0 + u] = out[rr * 4 + u]
+                        T.sync_threads()
+                        if warp < NB - d:
+                            r = warp + d
+                            for u in T.unroll(8):
+                                out[u] = 0.0
+                            tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
+                            for rr in T.unroll(2):
+                                for u in T.vectorized(4):
+                                    ainv[r * B + i0 + rr, warp * B + j0 + u] = -out[rr * 4 + u]
+                        T.sync_threads()
+                    # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
+                    # (the former 2-threads-per-row order used half of every stored sector, ncu)
+                    for u in T.unroll(8):
+                        gcol[u] = gam[hj, c0 + u]
+                        bcol[u] = b_s[hj, c0 + u]
+                    for ps in T.unroll(C // ROWS_PER_PASS):
+                        row = ps * ROWS_PER_PASS + tid // 8
+                        if row < valid:
+                            gr = gam[hj, row]
+                            for half in T.unroll(2):
+                                for u in T.vectorized(4):
+                                    a8[half * 4 + u] = ainv[row, c0 + half * 4 + u]
                             for u in T.vectorized(8):
-                                A[t0 + row, h, c0 + cc + u] = vals[u]
-                # every slot of the chunk's tile is written: the forward reads all 64
-                if tid < C:
-                    eg_t[h, bc * C + tid] = T.exp2(gam[tid] * LOG2E)
-                    et_t[h, bc * C + tid] = T.if_then_else(tid < valid, T.exp2((gam[valid - 1] - gam[tid]) * LOG2E),
-                                                           0.0)
-                    gam_t[h, bc * C + tid] = gam[tid]
-                    # beta |k|^2 per token, reduced to the chunk's largest: whether a token's factor
-                    # (I - beta k k^T) can expand the state (flash_qla/cp.py); -1 past the end
-                    wmax = T.warp_reduce_max(T.if_then_else(
-                        tid < valid, T.if_then_else(b_s[tid] < 0, 3.0, lower[tid, tid]), -1.0))
-                    if tid == H:
-                        red[0] = wmax
-                T.sync_threads()
-                if tid == 0:
-                    bkk_max[h, bc] = T.max(wmax, red[0])
+                                qv[u] = qk_s[row, c0 + u]
+                            for u in T.unroll(8):
+                                # Gamma_ij (upper triangle possibly inf: never selected)
+                                gate = T.exp2((gr - gcol[u]) * LOG2E)
+                                vals[u] = T.if_then_else(row >= c0 + u, T.cast(a8[u] * gate * bcol[u], dt), T.cast(0, dt))
+                                pvals[u] = T.if_then_else(row >= c0 + u, T.cast(T.cast(qv[u], "float32") * gate, dt),
+                                                          T.cast(0, dt))
+                            for u in T.vectorized(8):
+                                agb[t0 + row, h, c0 + u] = vals[u]
+                            for u in T.vectorized(8):
+                                p[t0 + row, h, c0 + u] = pvals[u]
+                            if write_a != 0:
+                                for u in T.unroll(8):
+                                    vals[u] = T.if_then_else(row >= c0 + u, T.cast(a8[u], dt), T.cast(0, dt))
+                                for u in T.vectorized(8):
+                                    A[t0 + row, h, c0 + u] = vals[u]
+                    # every slot of the chunk's tile is written: the forward reads all 64
+                    if tid < C:
+                        eg_t[h, bc * C + tid] = T.exp2(gam[hj, tid] * LOG2E)
+                        et_t[h, bc * C + tid] = T.if_then_else(
+                            tid < valid, T.exp2((gam[hj, valid - 1] - gam[hj, tid]) * LOG2E), 0.0)
+                        gam_t[h, bc * C + tid] = gam[hj, tid]
+                    # beta |k|^2 per token, reduced to the chunk's largest by one warp (two rows per lane): whether a
+                    # token's factor (I - beta k k^T) can expand the state (flash_qla/cp.py); 3 for a negative beta,
+                    # -1 past the end. (No shared scratch: the merge placed a former one on a live buffer.)
+                    if tid < H:
+                        for u in T.unroll(2):
+                            out[u] = T.if_then_else(
+                                tid + u * H < valid,
+                                T.if_then_else(b_s[hj, tid + u * H] < 0, 3.0,
+                                               b_s[hj, tid + u * H] * kk_s[tid + u * H, tid + u * H]), -1.0)
+                        wmax = T.warp_reduce_max(T.max(out[0], out[1]))
+                        if tid == 0:
+                            bkk_max[h, bc] = wmax
+                    # the next head's solve overwrites ainv
+                    T.sync_threads()
 
     return gdn_prepare
