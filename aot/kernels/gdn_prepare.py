@@ -62,6 +62,24 @@ def build(dtype: str, K: int):
                     for u in T.unroll(4):
                         out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
 
+    @T.macro
+    def zero8(out):
+        for u in T.unroll(8):
+            out[u] = 0.0
+
+    @T.macro
+    def rows_times_beta(out, b_s, hj, row):
+        """L = diag(beta) K K^T: beta scales the tile's two rows after the product."""
+        for rr in T.unroll(2):
+            for u in T.unroll(4):
+                out[rr * 4 + u] = out[rr * 4 + u] * b_s[hj, row + rr]
+
+    @T.macro
+    def store_tile(dst, row, col, out, sign):
+        for rr in T.unroll(2):
+            for u in T.vectorized(4):
+                dst[row + rr, col + u] = out[rr * 4 + u] * sign
+
     @T.prim_func
     def gdn_prepare(
         q: T.Tensor((NT, Hq, K), dt),
@@ -95,7 +113,7 @@ def build(dtype: str, K: int):
             kk_s = T.alloc_shared((C, C + 4), "float32")
             qk_s = T.alloc_shared((C, C + 8), dt)
             ainv = T.alloc_shared((C, C + 4), "float32")
-            tmp = T.alloc_shared((C, B + 4), "float32")
+            tmp = T.alloc_shared((2 * B, 2 * B + 4), "float32")  # L_rc A_cc of the current step
             graw = T.alloc_shared((HPC_MAX, C), "float32")
             gam = T.alloc_shared((HPC_MAX, C), "float32")
             b_s = T.alloc_shared((HPC_MAX, C), "float32")
@@ -196,34 +214,40 @@ def build(dtype: str, K: int):
                         for i in T.unroll(B):
                             ainv[d0 + i, tid] = x[i]
                     T.sync_threads()
-                    # below the diagonal, one block diagonal at a time (d = block distance): first
-                    # tmp_c = sum_{m=c}^{r-1} L_rm A_mc with L_rm = diag(beta_r) (K K^T)_rm, then A_rc = -A_rr tmp_c,
-                    # for r = d..3, c = r - d. Warp c owns block (r, c); each lane a 2 x 4 tile, so operands
-                    # arrive as 16-byte shared loads (6 per 32 FMAs)
-                    for d in T.unroll(1, NB):
-                        if warp < NB - d:
-                            r = warp + d
-                            for u in T.unroll(8):
-                                out[u] = 0.0
-                            for m in T.unroll(d):
-                                tile_product(out, lrow, brow, kk_s, r * B + i0, (warp + m) * B, ainv, (warp + m) * B,
-                                             warp * B + j0)
-                            for rr in T.unroll(2):
-                                for u in T.unroll(4):
-                                    out[rr * 4 + u] = out[rr * 4 + u] * b_s[hj, r * B + i0 + rr]
-                            for rr in T.unroll(2):
-                                for u in T.vectorized(4):
-                                    tmp[warp * B + i0 + rr, j0 + u] = out[rr * 4 + u]
-                        T.sync_threads()
-                        if warp < NB - d:
-                            r = warp + d
-                            for u in T.unroll(8):
-                                out[u] = 0.0
-                            tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
-                            for rr in T.unroll(2):
-                                for u in T.vectorized(4):
-                                    ainv[r * B + i0 + rr, warp * B + j0 + u] = -out[rr * 4 + u]
-                        T.sync_threads()
+                    # Below the diagonal by recursive doubling, A_rc = -A_rr L_rc A_cc on ever larger blocks, with
+                    # L = diag(beta) K K^T: first the two 32 x 32 diagonal blocks (16 x 16 blocks (1, 0) and (3, 2)),
+                    # then the 32 x 32 block below them (16 x 16 blocks (2..3, 0..1), one warp each). Each step is
+                    # tmp = L_rc A_cc, then A_rc = -A_rr tmp: 4 products deep with 4 barriers, where the former
+                    # one-block-diagonal-at-a-time order was 9 deep with 6 (ncu: barrier stalls).
+                    # Each lane owns a 2 x 4 tile, so operands arrive as 16-byte shared loads (6 per 32 FMAs).
+                    if warp < 2:
+                        r = warp * 2 + 1
+                        zero8(out)
+                        tile_product(out, lrow, brow, kk_s, r * B + i0, (r - 1) * B, ainv, (r - 1) * B, (r - 1) * B + j0)
+                        rows_times_beta(out, b_s, hj, r * B + i0)
+                        store_tile(tmp, warp * B + i0, j0, out, 1.0)
+                    T.sync_threads()
+                    if warp < 2:
+                        r = warp * 2 + 1
+                        zero8(out)
+                        tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
+                        store_tile(ainv, r * B + i0, (r - 1) * B + j0, out, -1.0)
+                    T.sync_threads()
+                    r3 = warp // 2 + 2  # this warp's block (r3, c3) of the lower-left 32 x 32 block
+                    c3 = warp % 2
+                    zero8(out)
+                    for m in T.unroll(2):  # sum over m = c3..1 of L_r3,m A_m,c3 (A is lower triangular)
+                        if m >= c3:
+                            tile_product(out, lrow, brow, kk_s, r3 * B + i0, m * B, ainv, m * B, c3 * B + j0)
+                    rows_times_beta(out, b_s, hj, r3 * B + i0)
+                    store_tile(tmp, (r3 - 2) * B + i0, c3 * B + j0, out, 1.0)
+                    T.sync_threads()
+                    zero8(out)
+                    for m in T.unroll(2, NB):  # sum over m = 2..r3 of A_r3,m tmp_m,c3
+                        if m <= r3:
+                            tile_product(out, lrow, brow, ainv, r3 * B + i0, m * B, tmp, (m - 2) * B, c3 * B + j0)
+                    store_tile(ainv, r3 * B + i0, c3 * B + j0, out, -1.0)
+                    T.sync_threads()
                     # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
                     # (the former 2-threads-per-row order used half of every stored sector, ncu)
                     for u in T.unroll(8):
