@@ -47,38 +47,48 @@ def build(dtype: str, K: int):
     TC = T.dynamic("TC")  # chunk slots x 64
 
     @T.macro
-    def tile_product(out, lrow, brow, a, a_row, a_col, b, b_row, b_col):
-        """out (a thread's 2 x 4 register tile) += a[a_row:+2, a_col:+16] @ b[b_row:+16, b_col:+4], the operands
-        staged in lrow / brow by 16-byte shared loads (scalar loads, two per FMA, saturated the shared-memory pipe)."""
-        for kx in T.unroll(0, B, 4):
-            for rr in T.unroll(2):
-                for u in T.vectorized(4):
-                    lrow[rr * 4 + u] = a[a_row + rr, a_col + kx + u]
-            for kr in T.unroll(4):
-                for u in T.vectorized(4):
-                    brow[kr * 4 + u] = b[b_row + kx + kr, b_col + u]
-            for rr in T.unroll(2):
-                for kr in T.unroll(4):
-                    for u in T.unroll(4):
-                        out[rr * 4 + u] += lrow[rr * 4 + kr] * brow[kr * 4 + u]
+    def split_tf32(x, hi, lo, i):
+        """x = hi + lo, both TF32 (the low 13 mantissa bits cleared): three TF32 products then give ~fp32 accuracy."""
+        hi[i] = T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32"), T.uint32(0xFFFFE000)), "float32")
+        lo[i] = x - hi[i]
 
     @T.macro
-    def zero8(out):
-        for u in T.unroll(8):
-            out[u] = 0.0
-
-    @T.macro
-    def rows_times_beta(out, b_s, hj, row):
-        """L = diag(beta) K K^T: beta scales the tile's two rows after the product."""
-        for rr in T.unroll(2):
+    def block_product(acc, ahi, alo, bhi, blo, lane, a, a_row, a_col, b, b_row, b_col):
+        """acc (a warp's 16 x 16 tile in the m16n8 accumulator layout: element n * 4 + u is row lane / 4 + u // 2 * 8,
+        column n * 8 + lane % 4 * 2 + u % 2) += a[a_row:+16, a_col:+16] @ b[b_row:+16, b_col:+16] on the tensor
+        cores, as 3xTF32 (hi hi + hi lo + lo hi: about fp32 accuracy). The former CUDA-core products read
+        6x the shared-memory wavefronts (the pipe the kernel was bound by, ncu)."""
+        for kx in T.unroll(2):
             for u in T.unroll(4):
-                out[rr * 4 + u] = out[rr * 4 + u] * b_s[hj, row + rr]
+                split_tf32(a[a_row + lane // 4 + u % 2 * 8, a_col + kx * 8 + lane % 4 + u // 2 * 4], ahi, alo, u)
+            for n in T.unroll(2):
+                for u in T.unroll(2):
+                    split_tf32(b[b_row + kx * 8 + lane % 4 + u * 4, b_col + n * 8 + lane // 4], bhi, blo, u)
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", alo.data, 0, bhi.data, 0,
+                          acc.data, n * 4, T.bool(False))
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, blo.data, 0,
+                          acc.data, n * 4, T.bool(False))
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, bhi.data, 0,
+                          acc.data, n * 4, T.bool(False))
 
     @T.macro
-    def store_tile(dst, row, col, out, sign):
-        for rr in T.unroll(2):
-            for u in T.vectorized(4):
-                dst[row + rr, col + u] = out[rr * 4 + u] * sign
+    def zero8(acc):
+        for u in T.unroll(8):
+            acc[u] = 0.0
+
+    @T.macro
+    def rows_times_beta(acc, b_s, hj, row, lane):
+        """L = diag(beta) K K^T: beta scales the tile's rows after the product."""
+        for n in T.unroll(2):
+            for u in T.unroll(4):
+                acc[n * 4 + u] = acc[n * 4 + u] * b_s[hj, row + lane // 4 + u // 2 * 8]
+
+    @T.macro
+    def store_tile(dst, row, col, acc, sign, lane):
+        for n in T.unroll(2):
+            for half in T.unroll(2):
+                for u in T.vectorized(2):
+                    dst[row + lane // 4 + half * 8, col + n * 8 + lane % 4 * 2 + u] = acc[n * 4 + half * 2 + u] * sign
 
     @T.prim_func
     def gdn_prepare(
@@ -113,14 +123,19 @@ def build(dtype: str, K: int):
             kk_s = T.alloc_shared((C, C + 4), "float32")
             qk_s = T.alloc_shared((C, C + 8), dt)
             ainv = T.alloc_shared((C, C + 4), "float32")
-            tmp = T.alloc_shared((2 * B, 2 * B + 4), "float32")  # L_rc A_cc of the current step
+            # L_rc A_cc of the current step, read as the products' B operand: rows padded to 40 words, so the
+            # fragment loads (4 rows x 8 columns per instruction) hit 32 different banks
+            tmp = T.alloc_shared((2 * B, 2 * B + 8), "float32")
             graw = T.alloc_shared((HPC_MAX, C), "float32")
             gam = T.alloc_shared((HPC_MAX, C), "float32")
             b_s = T.alloc_shared((HPC_MAX, C), "float32")
             x = T.alloc_local((B,), "float32")
-            out = T.alloc_local((8,), "float32")
-            lrow = T.alloc_local((8,), "float32")
-            brow = T.alloc_local((16,), "float32")
+            out = T.alloc_local((2,), "float32")
+            acc = T.alloc_local((8,), "float32")  # a warp's 16 x 16 product tile (m16n8 accumulator layout)
+            ahi = T.alloc_local((4,), "float32")
+            alo = T.alloc_local((4,), "float32")
+            bhi = T.alloc_local((2,), "float32")
+            blo = T.alloc_local((2,), "float32")
             csum = T.alloc_local((HPC_MAX // 2,), "float32")
             vals = T.alloc_local((8,), dt)
             pvals = T.alloc_local((8,), dt)
@@ -134,7 +149,7 @@ def build(dtype: str, K: int):
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
-            acc = T.alloc_var("float32")
+            dot = T.alloc_var("float32")
             wmax = T.alloc_var("float32")
 
             # sequence of this chunk: largest n with chunk_offsets[n] <= bc (binary search, 32 steps max)
@@ -197,8 +212,7 @@ def build(dtype: str, K: int):
                     qk_s[i, j] = T.cast(qk[i, j] * scale, dt)
                 T.sync_threads()
                 warp = tid // 32
-                i0 = (tid % 32) // 4 * 2
-                j0 = tid % 4 * 4
+                lane = tid % 32
                 c0 = tid % 8 * 8     # output columns of this thread
                 for hj in T.serial(hpc):
                     h = hg * hpc + hj
@@ -207,10 +221,10 @@ def build(dtype: str, K: int):
                     if tid < C:
                         d0 = (tid // B) * B
                         for i in T.unroll(B):
-                            acc = 0.0
+                            dot = 0.0
                             for j in T.unroll(i):
-                                acc += kk_s[d0 + i, d0 + j] * x[j]
-                            x[i] = T.if_then_else(i == tid - d0, 1.0, -b_s[hj, d0 + i] * acc)
+                                dot += kk_s[d0 + i, d0 + j] * x[j]
+                            x[i] = T.if_then_else(i == tid - d0, 1.0, -b_s[hj, d0 + i] * dot)
                         for i in T.unroll(B):
                             ainv[d0 + i, tid] = x[i]
                     T.sync_threads()
@@ -219,34 +233,34 @@ def build(dtype: str, K: int):
                     # then the 32 x 32 block below them (16 x 16 blocks (2..3, 0..1), one warp each). Each step is
                     # tmp = L_rc A_cc, then A_rc = -A_rr tmp: 4 products deep with 4 barriers, where the former
                     # one-block-diagonal-at-a-time order was 9 deep with 6 (ncu: barrier stalls).
-                    # Each lane owns a 2 x 4 tile, so operands arrive as 16-byte shared loads (6 per 32 FMAs).
                     if warp < 2:
                         r = warp * 2 + 1
-                        zero8(out)
-                        tile_product(out, lrow, brow, kk_s, r * B + i0, (r - 1) * B, ainv, (r - 1) * B, (r - 1) * B + j0)
-                        rows_times_beta(out, b_s, hj, r * B + i0)
-                        store_tile(tmp, warp * B + i0, j0, out, 1.0)
+                        zero8(acc)
+                        block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r * B, (r - 1) * B, ainv, (r - 1) * B,
+                                      (r - 1) * B)
+                        rows_times_beta(acc, b_s, hj, r * B, lane)
+                        store_tile(tmp, warp * B, 0, acc, 1.0, lane)
                     T.sync_threads()
                     if warp < 2:
                         r = warp * 2 + 1
-                        zero8(out)
-                        tile_product(out, lrow, brow, ainv, r * B + i0, r * B, tmp, warp * B, j0)
-                        store_tile(ainv, r * B + i0, (r - 1) * B + j0, out, -1.0)
+                        zero8(acc)
+                        block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp * B, 0)
+                        store_tile(ainv, r * B, (r - 1) * B, acc, -1.0, lane)
                     T.sync_threads()
                     r3 = warp // 2 + 2  # this warp's block (r3, c3) of the lower-left 32 x 32 block
                     c3 = warp % 2
-                    zero8(out)
+                    zero8(acc)
                     for m in T.unroll(2):  # sum over m = c3..1 of L_r3,m A_m,c3 (A is lower triangular)
                         if m >= c3:
-                            tile_product(out, lrow, brow, kk_s, r3 * B + i0, m * B, ainv, m * B, c3 * B + j0)
-                    rows_times_beta(out, b_s, hj, r3 * B + i0)
-                    store_tile(tmp, (r3 - 2) * B + i0, c3 * B + j0, out, 1.0)
+                            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r3 * B, m * B, ainv, m * B, c3 * B)
+                    rows_times_beta(acc, b_s, hj, r3 * B, lane)
+                    store_tile(tmp, (r3 - 2) * B, c3 * B, acc, 1.0, lane)
                     T.sync_threads()
-                    zero8(out)
+                    zero8(acc)
                     for m in T.unroll(2, NB):  # sum over m = 2..r3 of A_r3,m tmp_m,c3
                         if m <= r3:
-                            tile_product(out, lrow, brow, ainv, r3 * B + i0, m * B, tmp, (m - 2) * B, c3 * B + j0)
-                    store_tile(ainv, r3 * B + i0, c3 * B + j0, out, -1.0)
+                            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r3 * B, m * B, tmp, (m - 2) * B, c3 * B)
+                    store_tile(ainv, r3 * B, c3 * B, acc, -1.0, lane)
                     T.sync_threads()
                     # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
                     # (the former 2-threads-per-row order used half of every stored sector, ncu)
