@@ -126,9 +126,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(st, st_b)
-                T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if output:
-                    T.gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    # (K S)^T is on the chain; (Q S)^T, needed only for O, stays in flight behind it
+                    T.wgmma_gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)
+                else:
+                    T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if trans:  # V = 0: the homogeneous chain
                     for d, i in T.Parallel(BV, C):
                         wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
@@ -146,14 +150,23 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                         vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = st[d, kk] * eg_s[valid - 1]
-                T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
                 if output:
-                    T.gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    # the state update and O's intra-chunk product issued back to back, one wait
+                    T.wgmma_gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    # TileLang hands a pipeline stage back to the producer after the last statement that names its
+                    # tiles, unaware that the products above are asynchronous: this never-taken read names q, k
+                    # and P after the wait, so the producer cannot refill them while a product still reads them
+                    if valid < 0:
+                        o_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
                     for d, i in T.Parallel(BV, C):
                         o_s[i, d] = T.cast(qst[d, i], dt)
                     for i, d in T.Parallel(C, BV):
                         if i < valid:
                             o[t0 + i, h, v0 + d] = o_s[i, d]
+                else:
+                    T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
             if store_ht != 0 or cp:
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk, v0 + d] = st[d, kk]
