@@ -76,7 +76,9 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             p_s = T.alloc_shared((C, C), dt)
             eg_s = T.alloc_shared((C,), "float32")
             et_s = T.alloc_shared((C,), "float32")
-            o_s = T.alloc_shared((C, BV), dt)
+            # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes, so the
+            # four token rows one store instruction touches land in different banks (4-way conflicts without)
+            o_s = T.alloc_shared((C, BV + 8), dt)
             st = T.alloc_fragment((BV, K), "float32")
             st_b = T.alloc_fragment((BV, K), dt)
             kst = T.alloc_fragment((BV, C), "float32")
