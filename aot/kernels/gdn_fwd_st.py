@@ -22,6 +22,7 @@ ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-
 decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk).
 """
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128],
@@ -79,6 +80,9 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes, so the
             # four token rows one store instruction touches land in different banks (4-way conflicts without)
             o_s = T.alloc_shared((C, BV + 8), dt)
+            # v is read down its columns (2-byte loads into W^T's accumulator layout): the 128-byte swizzle puts the
+            # four token rows of one load instruction in different banks
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             st = T.alloc_fragment((BV, K), "float32")
             st_b = T.alloc_fragment((BV, K), dt)
             kst = T.alloc_fragment((BV, C), "float32")
