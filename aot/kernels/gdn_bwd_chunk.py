@@ -98,6 +98,8 @@ def build(dtype: str, K: int, V: int):
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             valid = T.alloc_var("int32")
+            phase = T.alloc_var("int32")
+            loaded = T.alloc_barrier(THREADS)
 
             lo = 0
             hi = N
@@ -112,14 +114,24 @@ def build(dtype: str, K: int, V: int):
                 t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
                 eos = cu_seqlens[lo + 1]
                 valid = T.min(eos - t0, C)
-                T.copy(q[t0:t0 + C, hk, :], q_s)
-                T.copy(k[t0:t0 + C, hk, :], k_s)
+                # Every tile arrives by TMA on one mbarrier (one elected thread issues, all threads wait): the
+                # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
+                phase = 0
+                T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=loaded[0])
+                T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=loaded[0])
+                T.barrier_arrive(loaded[0])
+                T.mbarrier_wait_parity(loaded[0], phase)
+                phase = phase ^ 1
                 for i, d in T.Parallel(C, K):
                     dqa_s[i, d] = 0.0
                     dka_s[i, d] = 0.0
                 for r in T.serial(Hv // Hq):  # the group's v-heads in order: deterministic sums
                     h = hk * (Hv // Hq) + r
-                    T.copy(A[t0:t0 + C, h, :], a_s)
+                    # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it;
+                    # it lands with the first V block's tiles
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=loaded[0])
                     for i in T.Parallel(C):
                         gam_s[i] = gam_t[h, bc * C + i]
                         b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
@@ -133,13 +145,18 @@ def build(dtype: str, K: int, V: int):
                     T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
                     for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
                         v0 = vb * BV
-                        T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
-                        T.copy(w[t0:t0 + C, h, v0:v0 + BV], w_s)
-                        T.copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s)
-                        T.copy(x[t0:t0 + C, h, v0:v0 + BV], x_s)
-                        T.copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s)
-                        T.copy(hs[bc, h, :, v0:v0 + BV], h_s)
-                        T.copy(dhs[bc, h, :, v0:v0 + BV], dh_s)
+                        T.fence_proxy_async()
+                        T.sync_threads()  # the previous block's products are done with these tiles
+                        T.tma_copy(do[t0:t0 + C, h, v0:v0 + BV], do_s, barrier=loaded[0])
+                        T.tma_copy(w[t0:t0 + C, h, v0:v0 + BV], w_s, barrier=loaded[0])
+                        T.tma_copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s, barrier=loaded[0])
+                        T.tma_copy(x[t0:t0 + C, h, v0:v0 + BV], x_s, barrier=loaded[0])
+                        T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s, barrier=loaded[0])
+                        T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
+                        T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
+                        T.barrier_arrive(loaded[0])
+                        T.mbarrier_wait_parity(loaded[0], phase)
+                        phase = phase ^ 1
                         T.gemm(do_s, h_s, dqf, transpose_B=True)
                         T.gemm(dw_s, h_s, dkf, transpose_B=True)
                         T.gemm(vn_s, dh_s, dks, transpose_B=True)
