@@ -14,6 +14,7 @@ Rows past the sequence end: dO is zeroed there (and et = 0), so X and dW vanish 
 next sequence's q/k rows that the tile loads contribute nothing.
 """
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64]}
@@ -64,6 +65,9 @@ def build(dtype: str, K: int, V: int, BV: int):
             dos_s = T.alloc_shared((C, BV), dt)   # scale * eg * dO
             x_s = T.alloc_shared((C, BV), dt)
             dwe_s = T.alloc_shared((C, BV), dt)   # -eg * dW
+            # read (or written) in the accumulator's row layout by 4-byte accesses, eight rows per instruction:
+            # the 128-byte swizzle spreads those rows over the banks (8-way conflicts in the plain layout)
+            T.annotate_layout({do_s: make_swizzled_layout(do_s)})
             dS = T.alloc_fragment((K, BV), "float32")
             xf = T.alloc_fragment((C, BV), "float32")
             dw = T.alloc_fragment((C, BV), "float32")

@@ -17,6 +17,7 @@ Builds (the mode axis): save, the backward's recompute pass: stores, exactly as 
 pre-pass builds moved to gdn_fwd_st, whose transposed-state chain is faster.)
 """
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
@@ -65,6 +66,9 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
             vd_s = T.alloc_shared((C, BV), dt)
             eg_s = T.alloc_shared((C,), "float32")
             et_s = T.alloc_shared((C,), "float32")
+            # read (or written) in the accumulator's row layout by 4-byte accesses, eight rows per instruction:
+            # the 128-byte swizzle spreads those rows over the banks (8-way conflicts in the plain layout)
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), vn_s: make_swizzled_layout(vn_s)})
             S = T.alloc_fragment((K, BV), "float32")
             ks = T.alloc_fragment((C, BV), "float32")
             vn = T.alloc_fragment((C, BV), "float32")
