@@ -60,7 +60,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
     dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
-    dhs = torch.zeros(saved["TC"] // ops.CHUNK, Hv, K, V, device=dev, dtype=dt)  # unused slots are read (x 0)
+    dhs = ops.chunk_slot_states(saved["TC"] // ops.CHUNK, problem, dev, dt)
     dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dht_c = dht.float().contiguous() if dht is not None else None
     tag = saved["tag"]

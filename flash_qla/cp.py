@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .planner import chain_time
+from .planner import OUT_CHAIN_COST, chain_time
 
 CHUNK = 64
 WARMUP_LOG_DECAY = -10.0
@@ -46,29 +46,33 @@ FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
-                        num_sms: int, blocks, capturing: bool = True) -> Optional[int]:
+                        num_sms: int, blocks, capturing: bool = True, chain_costs=None) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
     pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
     warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
-    (capturing False) their host time). Memoised: every forward asks."""
+    (capturing False) their host time). chain_costs: the per-chunk cost by V block of the chain kernel that
+    runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
+    Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
-             0.0 if capturing else EAGER_HOST_COST)
+             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())))
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
-    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost = costs
+    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs = costs
+    chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
 
     def chains_time(chains: int, length: float) -> float:  # with the best of the built V blocks
-        return length * min(chain_time(chains, head_dim_v, bv, num_sms) for bv in blocks if bv <= head_dim_v)
+        return length * min(chain_time(chains, head_dim_v, bv, num_sms, chain_costs) for bv in blocks
+                            if bv <= head_dim_v)
 
     plain = chains_time(num_seqs * num_v_heads, per_seq)
     best, best_l = plain, None

@@ -70,12 +70,14 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
     return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), costs)
 
 
-def _segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
-    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py)."""
-    built = tuple(_built_blocks(OUT_KERNEL, "out", tag, problem.head_dim_k, problem.head_dim_v))
+def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
+    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py); save: for the backward's
+    recompute, whose segments run gdn_fwd's save build (staged chains, its own V blocks)."""
+    kernel, mode, costs = (FWD_KERNEL, "save", STAGED_CHAIN_COST) if save else (OUT_KERNEL, "out", OUT_CHAIN_COST)
+    built = tuple(_built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
-                                  capturing=torch.cuda.is_current_stream_capturing())
+                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=costs)
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,16 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
         poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
         return torch.full(shape, poison, device=device, dtype=dtype)
     return torch.empty(*shape, device=device, dtype=dtype)
+
+
+def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
+    """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last
+    chunk (at most N, all at the end: slots = ceil(T / 64) + N bounds the chunk count) are zeroed, since the
+    torch specification of the chunk stage reads every slot (x 0). Zeroing only those replaced a full memset
+    (~0.04 ms per tensor on the 8k rows)."""
+    states = _empty(slots, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, device=device, dtype=dtype)
+    states[max(slots - problem.num_seqs, 0):].zero_()
+    return states
 
 
 def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers: dict, stream=None) -> None:
@@ -165,25 +177,28 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
-    L = _segment_chunks(problem, tag, dev) if saved is None else None
-    if L is not None:
-        ht = _cp_forward(problem, L, tag, sizes, pointers, dict(k=kp, gam_t=gam_t, bkk_max=bkk_max, cu=cu, offsets=offsets,
-                                                                 h0=h0, o=o, ht=ht), output_final_state, stream)
-    else:
-        kernel = OUT_KERNEL if saved is None else FWD_KERNEL
-        if saved is None:
-            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
-        else:
-            variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save"),
-                       "mode": "save"}
-            # zeros, not poison: slots past the last chunk are never written, yet the backward reads them (x 0)
-            hs = torch.zeros(TC // CHUNK, Hv, K, V, device=dev, dtype=dt)
-            w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
-            pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-            saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w,
-                         vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
-        _launch(kernel, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+    L = _segment_chunks(problem, tag, dev, save=saved is not None)
+    t = dict(k=kp, gam_t=gam_t, bkk_max=bkk_max, cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
+    if saved is None and L is not None:
+        ht = _cp_forward(problem, L, tag, sizes, pointers, t, output_final_state, stream)
+    elif saved is None:
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
+        _launch(OUT_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
                 pointers, stream)
+    else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
+        hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
+        w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
+        pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
+        saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w,
+                     vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
+        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0), None
+        if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
+            seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
+            pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
+            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
+        bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
+        _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,
+                stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
@@ -215,13 +230,12 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream):
     return seg, start, fallback
 
 
-def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
-                stream) -> torch.Tensor:
-    """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd
-    over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
+def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream):
+    """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
+    decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
+    [S, Hv, K, V] fp32), h_in[s] the state entering segment s."""
     dev = t["k"].device
     Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
-    T = problem.batch * problem.tokens
     seg, start, fallback = _cp_tables(problem, L, sizes["TC"], t, stream)
     S = seg.count
     # the warm-up chains write Z straight into h_in; gdn_cp_combine then fixes up only the first and the
@@ -246,6 +260,17 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     _launch("gdn_cp_combine", {"K": K, "V": V}, dev, {"Hv": Hv, "N": N, "S": S, "use_h0": int(h0 is not None)},
             {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
              "h0": (h0 if h0 is not None else h_in).data_ptr(), "h_in": h_in.data_ptr()}, stream)
+    return seg, h_in
+
+
+def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
+                stream) -> torch.Tensor:
+    """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd_st
+    over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
+    dev = t["k"].device
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
+    S = seg.count
     ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)
     _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
@@ -254,6 +279,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
                  ht=ht_seg.data_ptr()), stream)
     if not output_final_state:
         return t["ht"]
+    h0 = t["h0"]
     final = ht_seg.index_select(0, seg.last.clamp(min=0))
     empty = (seg.last < 0)[:, None, None, None]  # a zero-length sequence keeps its initial state
     return torch.where(empty, h0 if h0 is not None else torch.zeros_like(final), final)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import ops, reference
+from flash_qla import cp, ops, reference
 from test_gpu_forward import LENGTHS, draw
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,23 @@ def test_backward_long_sequences_and_strong_decay():
     x = draw(LENGTHS["long"] + [4096], 2, 8, 128, 128, torch.bfloat16, seed=21)
     do, dht = cotangents(x, seed=2)
     check(grads(x, do, dht), grads(x, do, dht, fp64=True), TOL, "long bf16 K128 V128")
+
+
+@pytest.mark.parametrize("tag", ["bf16", "fp16"])
+def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
+    """The recompute pass with CP forced (4-chunk segments: warm-up states, exact fallback for the g = 0 head,
+    combine, then the save build over the segments): every gradient within tolerance, and close to the plain
+    path's (the segments' entering states differ from the serial chain's by rounding only)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    x = draw(LENGTHS["long"] + [700, 1, 65], 2, 8, 128, 128, dtype, seed=29)
+    do, dht = cotangents(x, seed=4)
+    want = grads(x, do, dht, fp64=True)
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 4)
+    got_cp = grads(x, do, dht)
+    check(got_cp, want, TOL, f"CP recompute {tag}")
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)
+    got_plain = grads(x, do, dht)
+    check(got_cp, got_plain, TOL / 2, f"CP vs plain recompute {tag}")
 
 
 def test_backward_l2norm_dense_batch_and_scale():
