@@ -32,6 +32,17 @@ def build(dtype: str, K: int, V: int):
     N = T.dynamic("N")
     TC = T.dynamic("TC")
 
+    @T.macro
+    def load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc, h, v0):
+        """The seven tiles of v-head h's V block at v0, by TMA on the CTA's mbarrier (arrival left to the caller)."""
+        T.tma_copy(do[t0:t0 + C, h, v0:v0 + BV], do_s, barrier=loaded[0])
+        T.tma_copy(w[t0:t0 + C, h, v0:v0 + BV], w_s, barrier=loaded[0])
+        T.tma_copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s, barrier=loaded[0])
+        T.tma_copy(x[t0:t0 + C, h, v0:v0 + BV], x_s, barrier=loaded[0])
+        T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s, barrier=loaded[0])
+        T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
+        T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
+
     @T.prim_func
     def gdn_bwd_chunk(
         q: T.Tensor((NT, Hq, K), dt),
@@ -72,15 +83,16 @@ def build(dtype: str, K: int, V: int):
             dg_s = T.alloc_shared((C,), "float32")
             dgc_s = T.alloc_shared((C,), "float32")  # the scan's output (not in place)
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
-            dqa_s = T.alloc_shared((C, K), "float32")  # dq, dk summed over the GVA group's v-heads
-            dka_s = T.alloc_shared((C, K), "float32")
+            # dq, dk summed over the GVA group's v-heads, added from the accumulator layout (float2 per thread,
+            # eight rows per instruction): rows padded by 32 bytes, conflict-free (8-way without, ncu)
+            dqa_s = T.alloc_shared((C, K + 8), "float32")
+            dka_s = T.alloc_shared((C, K + 8), "float32")
             dqf = T.alloc_fragment((C, K), "float32")
             dkf = T.alloc_fragment((C, K), "float32")
             dks = T.alloc_fragment((C, K), "float32")
             dP = T.alloc_fragment((C, C), "float32")
             dAgb = T.alloc_fragment((C, C), "float32")
             cc = T.alloc_fragment((C, C), "float32")
-            r1 = T.alloc_fragment((C,), "float32")
             r23 = T.alloc_fragment((C,), "float32")
             r3 = T.alloc_fragment((C,), "float32")
             rp = T.alloc_fragment((C,), "float32")
@@ -145,15 +157,11 @@ def build(dtype: str, K: int, V: int):
                     T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
                     for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
                         v0 = vb * BV
-                        T.fence_proxy_async()
-                        T.sync_threads()  # the previous block's products are done with these tiles
-                        T.tma_copy(do[t0:t0 + C, h, v0:v0 + BV], do_s, barrier=loaded[0])
-                        T.tma_copy(w[t0:t0 + C, h, v0:v0 + BV], w_s, barrier=loaded[0])
-                        T.tma_copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s, barrier=loaded[0])
-                        T.tma_copy(x[t0:t0 + C, h, v0:v0 + BV], x_s, barrier=loaded[0])
-                        T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s, barrier=loaded[0])
-                        T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
-                        T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
+                        if vb > 0 or r == 0:  # a later head's first block was prefetched behind the previous tail
+                            T.fence_proxy_async()
+                            T.sync_threads()  # the previous block's products are done with these tiles
+                            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0,
+                                       bc, h, v0)
                         T.barrier_arrive(loaded[0])
                         T.mbarrier_wait_parity(loaded[0], phase)
                         phase = phase ^ 1
@@ -163,6 +171,11 @@ def build(dtype: str, K: int, V: int):
                         T.gemm(do_s, vn_s, dP, transpose_B=True)
                         T.gemm(x_s, w_s, dAgb, transpose_B=True)
                         T.gemm(h_s, dh_s, cc, transpose_A=True)
+                    if r + 1 < Hv // Hq:  # the next head's first V block loads while this head's tail computes
+                        T.fence_proxy_async()
+                        T.sync_threads()
+                        load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc,
+                                   h + 1, 0)
                     for i, j in T.Parallel(C, C):
                         cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
                     T.reduce_sum(cc, rp, dim=1)
@@ -180,22 +193,17 @@ def build(dtype: str, K: int, V: int):
                         dks[i, d] = T.if_then_else(
                             i < valid, dks[i, d] * T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
                         dkf[i, d] = dks[i, d] - dkf[i, d] * T.exp2(gam_s[i] * LOG2E)
-                    # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state -> r23, q.dq -> r1
+                    # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state + q.dq -> r23
                     for i, d in T.Parallel(C, K):
                         dks[i, d] = dks[i, d] * k_s[i, d]
                     T.reduce_sum(dks, r3, dim=1)
                     for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
                         r3_s[i] = r3[i]
-                    for i, d in T.Parallel(C, K):
-                        dks[i, d] = dkf[i, d] * k_s[i, d]
+                    for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
+                        dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
                     T.reduce_sum(dks, r23, dim=1)
                     for i in T.Parallel(C):
-                        dg_s[i] += r23[i]
-                    for i, d in T.Parallel(C, K):
-                        dks[i, d] = dqf[i, d] * q_s[i, d]
-                    T.reduce_sum(dks, r1, dim=1)
-                    for i in T.Parallel(C):
-                        dg_s[i] += r1[i] - 2.0 * r3_s[i]
+                        dg_s[i] += r23[i] - 2.0 * r3_s[i]
 
                     # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
                     T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
