@@ -20,7 +20,6 @@ import torch
 from . import cp, loader
 from .chunk_grads import token_positions
 from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_heads_per_cta
-from .reference import l2norm
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
@@ -143,8 +142,6 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
-    if use_qk_l2norm:  # TODO(issue 4): fuse into the kernels; a separate pass today
-        q, k = l2norm(q.float()).to(dt), l2norm(k.float()).to(dt)
     T = problem.batch * problem.tokens
     Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
     qp, kp, vp = _packed(q), _packed(k), _packed(v)
@@ -167,12 +164,19 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     tag = _DTYPE_TAG[dt]
     hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(TC // CHUNK, Hv, problem.num_qk_heads, _num_sms(dev))
-    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev, dict(sizes, write_a=int(A is not None), hpc=hpc),
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
+    # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
+    # recurrence kernels then read in place of q / k
+    qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
+              else (qp, kp))
+    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev,
+            dict(sizes, write_a=int(A is not None), hpc=hpc, l2norm=int(use_qk_l2norm)),
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
+             "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr(),
              "bkk_max": bkk_max.data_ptr()}, stream)
+    qp, kp = qn, kn
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),

@@ -41,6 +41,7 @@ PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True,
 H = C // 2        # a warp: the second warp of the 64 threads that own a row each
 ROWS_PER_PASS = THREADS // 8   # output stores: 8 threads cover a row (8 columns, 16 bytes each)
 LOG2E = 1.4426950408889634
+L2NORM_EPS = 1e-6  # flash_qla/reference.py L2NORM_EPS (FLA's and FlashQLA's)
 
 
 def build(dtype: str, K: int):
@@ -95,6 +96,28 @@ def build(dtype: str, K: int):
                 for u in T.vectorized(2):
                     dst[row + lane // 4 + half * 8, col + n * 8 + lane % 4 * 2 + u] = acc[n * 4 + half * 2 + u] * sign
 
+    @T.macro
+    def normalize_row(tile, out, mine, row, t0, hk, valid, store, l2n, nrm):
+        """Row `row` of a (64, K) tile (when `mine`): l2-normalised in place, stored to out when `store`."""
+        if mine:
+            nrm[0] = 0.0
+            for d0 in T.serial(K // 8):
+                for u in T.vectorized(8):
+                    l2n[u] = tile[row, d0 * 8 + u]
+                for u in T.unroll(8):
+                    nrm[0] += T.cast(l2n[u], "float32") * T.cast(l2n[u], "float32")
+            nrm[1] = T.rsqrt(nrm[0] + L2NORM_EPS)
+            for d0 in T.serial(K // 8):
+                for u in T.vectorized(8):
+                    l2n[u] = tile[row, d0 * 8 + u]
+                for u in T.unroll(8):
+                    l2n[u] = T.cast(T.cast(l2n[u], "float32") * nrm[1], dt)
+                for u in T.vectorized(8):
+                    tile[row, d0 * 8 + u] = l2n[u]
+                if store and row < valid:
+                    for u in T.vectorized(8):
+                        out[t0 + row, hk, d0 * 8 + u] = l2n[u]
+
     @T.prim_func
     def gdn_prepare(
         q: T.Tensor((NT, Hq, K), dt),
@@ -106,6 +129,8 @@ def build(dtype: str, K: int):
         A: T.Tensor((NT, Hv, C), dt),
         agb: T.Tensor((NT, Hv, C), dt),
         p: T.Tensor((NT, Hv, C), dt),
+        qn: T.Tensor((NT, Hq, K), dt),
+        kn: T.Tensor((NT, Hq, K), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
@@ -113,6 +138,7 @@ def build(dtype: str, K: int):
         scale: T.float32,
         write_a: T.int32,
         hpc: T.int32,
+        l2norm: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
@@ -146,6 +172,8 @@ def build(dtype: str, K: int):
             pvals = T.alloc_local((8,), dt)
             qv = T.alloc_local((8,), dt)
             a8 = T.alloc_local((8,), "float32")
+            l2n = T.alloc_local((8,), dt)
+            nrm = T.alloc_local((2,), "float32")
             gcol = T.alloc_local((8,), "float32")
             bcol = T.alloc_local((8,), "float32")
             loaded = T.alloc_barrier(THREADS)
@@ -206,6 +234,14 @@ def build(dtype: str, K: int):
                     if hj < hpc:
                         gam[hj, tid % C] = csum[jj]
                 T.mbarrier_wait_parity(loaded[0], 0)
+                if l2norm != 0:
+                    # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype
+                    # in place (threads 0-63: k rows, 64-127: q rows); the k-head's first CTA of the chunk also
+                    # stores the valid rows for the recurrence kernels, so no separate pass reads q / k
+                    normalize_row(k_s, kn, tid < C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
+                    normalize_row(q_s, qn, tid >= C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
+                    T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
+                    T.sync_threads()
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                 # every warp's products done before kk_s / qk_s (which may take q_s / k_s's place) are written
