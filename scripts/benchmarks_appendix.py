@@ -44,35 +44,43 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 
 | row | ours | FlashQLA |
 | --- | --- | --- |
-| fwd TP1-397B 4096x8 | gdn_prepare 0.81 ms + gdn_fwd_st 0.81 = 1.62 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) |
-| fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.12 + gdn_fwd_st 0.28 = 0.40 | kkt_solve 0.06 + fused forward 0.24 |
-| fwd TP8 1x8192, CP at 16-chunk segments | gdn_fwd_st (pre-pass and segments) 0.096, prepare 0.031, combine 0.029, gdn_cp_plan 0.012 (11 launches a call) | CP forward 0.12-0.16 |
-| fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.206, prepare 0.114, combine 0.061, gdn_cp_plan 0.028 | CP forward 0.32-0.39 |
-| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 1.14, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.16 + gdn_fwd save build 0.22), casts 0.08 = 1.93 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| fwd TP1-397B 4096x8 | gdn_prepare 0.47 ms + gdn_fwd_st 0.61 = 1.08 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) = 1.25 |
+| fwd 2B-TP1 4096x8 | gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35 | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
+| fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
+| fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
+| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.61, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.09 + gdn_fwd save build 0.22) = 1.24 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq | gdn_bwd_dh 1.28, gdn_bwd_chunk 0.60, recompute with CP (save build 0.15, pre-pass 0.12, prepare 0.09, plan + combine 0.08) = 2.33 | whole backward 0.90 (CP in both directions) |
 
-This session's forward changes, each measured on the H200 (TP1 4096x8 forward, graph): gdn_prepare's blocked
-inverse with P fused in (gdn_qk gone) 1.47 -> 1.06 ms of pre-chain kernels, its q/k tiles by TMA and paired
-L / P stores 1.06 -> 0.85, padded P staging rows (8-way bank conflicts, ncu) 0.85 -> 0.81; the output pass on the transposed state in registers (gdn_fwd_st: S^T is wgmma's
-register A operand, so S, W, Vnew never round-trip through shared memory) at BV = 128 with two consumer
-warpgroups 1.36 -> 0.81 ms (gdn_fwd's former out build at its best block vs gdn_fwd_st): row total 2.90 -> 1.62 ms.
-One chain's chunk now costs ~2.5 us at BV = 64 and ~3.1 us at BV = 128 (FlashInfer's ~3.1 us, FlashQLA's ~4.5 us);
-what remains on the full-GPU rows is gdn_prepare (0.81 ms vs FlashQLA's 0.44 ms kkt_solve: ncu shows the shared-
-memory pipe at 86%, ~4.3K wavefronts per (chunk, head) over seven barrier-separated phases, 4 CTAs per SM) and
-the materialised Agb / P (written by gdn_prepare, read back by gdn_fwd_st: ~0.5 GB on TP1 4096x8).
+This session's kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
+experiment records are in `bench/results/experiments/`):
+- gdn_prepare: one CTA per (chunk, group of up to 4 v-heads sharing a q / k head; `planner.plan_heads_per_cta`)
+  shares the chunk lookup, q / k tiles, g / beta loads and both 64 x 64 x K products; output stores as whole
+  128-byte rows: 0.82 -> 0.56 ms. The inverse's off-diagonal blocks by recursive doubling (4 products deep instead
+  of 9): 0.56 -> 0.53. Those block products on the tensor cores (mma m16n8k8, 3xTF32 for ~fp32 accuracy) instead of
+  CUDA-core register tiles that saturated the shared-memory pipe: 0.53 -> 0.47. Explicit barriers only (TileLang's
+  pass added named 64-thread barriers in divergent branches: racecheck false positives, and a barrier per head).
+- gdn_fwd_st: (Q S)^T and O's product as asynchronous wgmmas behind the chain's (0.81 -> 0.78); o_s rows padded
+  (O^T leaves the accumulator as 2-byte column stores, 4-way bank conflicts: 0.78 -> 0.69); the v tile in the
+  128-byte swizzle (read down its columns: 0.69 -> 0.61). TP8 1x2048 0.078 -> 0.054 ms, TP8 1x8192 0.30 -> 0.21.
+- Backward: gdn_bwd_chunk's tiles by TMA on one mbarrier (its per-thread copies were ~45% of stall samples) and the
+  next head's first V block prefetched behind the current head's tail: 1.14 -> 0.61 ms (hk16_hv32 8k_1seq); the
+  recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
+  save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.382 ms (1.04x FlashQLA), 28672+4096 0.373 (1.04x),
-16384+16384 0.345 (1.06x), 1x8192 0.168 (0.98x), 8192x4 0.338; TP2 1x32768 1.127 (1.11x), 1x8192 0.351; 2B-TP1
-1x32768 0.607 (1.10x), 28672+4096 0.604 (1.15x), 16384+16384 0.612 (0.95x), 1x8192 0.222 (1.00x). This session took
-their fixed costs down: the tables went from ~80 torch launches (~0.1 ms GPU, ~1.2 ms host) to one `gdn_cp_plan`
-launch (0.012-0.028 ms); the pre-pass moved to the transposed-state kernel (gdn_fwd_st's state / trans builds: TP8
-1x32768 pre-pass + segments 0.254 -> 0.206 ms); the serial combine over the fallback (g = 0) heads went from ~5.3 to
-~3.7 us a segment (Z written in place by the warm-ups; a 4 x 2 register tile per thread). Eager calls plan CP where it
-pays after the path's ~0.3 ms of host work (TP8 1x32768 eager 1.32 -> ~0.6 ms). The planner's constants and the
-measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
+What remains: the three 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
+0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.91-0.98x); against FlashInfer on the full-GPU rows
+(0.73-0.75x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
+on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
+into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).
 
-Backward: gdn_bwd_chunk alone (1.14 ms) exceeds FlashQLA's whole backward (0.82): one CTA per SM (214 registers at
-256 threads, 208 KB smem), latency-bound; gdn_bwd_dh and the recompute's save build still stage the state through
-shared memory (the transposed-state layout of gdn_fwd_st would apply to both); no intra-card CP in the backward.
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.308 ms (1.28x FlashQLA), 28672+4096 0.300, 16384+16384
+0.277, 1x8192 0.145; TP2 1x32768 0.818 (1.54x); 2B-TP1 1x32768 0.530, 28672+4096 0.522. The planner's constants and
+the measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
+
+Backward: gdn_bwd_dh (the reverse chain, 2.5 us a chunk) is the long pole on the one-sequence rows (hk4_hv8 32k_1seq
+1.28 of 2.33 ms): the reverse intra-card CP (warm-up after each segment, transposed transitions, a reverse combine)
+is not built; gdn_bwd_chunk is still one CTA per SM (230 registers at 256 threads, 212 KB smem) with nine
+cross-warp reductions per head.
 """
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text()
