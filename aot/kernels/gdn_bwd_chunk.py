@@ -181,10 +181,8 @@ def build(dtype: str, K: int, V: int):
                     T.reduce_sum(cc, rp, dim=1)
                     for i in T.Parallel(C):
                         hd_s[i] = rp[i]
-                    if T.get_thread_binding() == 0:
-                        hh = 0.0
-                        for i in T.serial(BV):
-                            hh += hd_s[i]
+                    if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
+                        hh = T.warp_reduce_sum(hd_s[T.get_thread_binding()] + hd_s[T.get_thread_binding() + 32])
 
                     # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
                     # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
@@ -257,11 +255,12 @@ def build(dtype: str, K: int, V: int):
                     # total and eg_last * sum(S * dS')
                     for i in T.Parallel(C):
                         dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
-                    if T.get_thread_binding() == 0:
-                        acc = T.exp2(gam_s[valid - 1] * LOG2E) * hh
-                        for i in T.serial(valid):
-                            acc += r3_s[i]
-                        dg_s[valid - 1] += acc
+                    if T.get_thread_binding() < 32:  # the et terms' total over the valid rows, by one warp
+                        lane = T.get_thread_binding()
+                        acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
+                                                + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
+                        if lane == 0:
+                            dg_s[valid - 1] += acc + T.exp2(gam_s[valid - 1] * LOG2E) * hh
                     T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
                     for i in T.Parallel(C):
                         if i < valid:
