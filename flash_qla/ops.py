@@ -84,6 +84,11 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x in its own layout, contiguous: the same memory as the packed [B*T, ...] view (pointer use only)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
              stream=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens int32, chunk_offsets int32) on the device: one small scan kernel, no host synchronisation."""
@@ -144,9 +149,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     dt = q.dtype
     T = problem.batch * problem.tokens
     Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
-    qp, kp, vp = _packed(q), _packed(k), _packed(v)
-    gp = _packed(g)
-    bp = _packed(beta.float())
+    # the kernels take pointers: a contiguous [B, T, ...] tensor is already the packed [B*T, ...] layout, so the
+    # packed views are made only where tensors are kept (the backward's saved dict); views cost ~2 us each
+    qp, kp, vp, gp, bp = (_dense(x) for x in (q, k, v, g, beta.float()))
     stream = current_stream(dev)
     cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
@@ -156,8 +161,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     TC = (-(-T // CHUNK) + N) * CHUNK
     # one allocation for the four fp32 tiles (eager calls are host-bound on small rows: each costs ~3 us)
     tiles = _empty(3 * Hv * TC + Hv * (TC // CHUNK), device=dev, dtype=torch.float32)
-    eg_t, et_t, gam_t = (tiles[i * Hv * TC:(i + 1) * Hv * TC].view(Hv, TC) for i in range(3))
-    bkk_max = tiles[3 * Hv * TC:].view(Hv, TC // CHUNK)
+    tile_ptr = [tiles.data_ptr() + i * Hv * TC * 4 for i in range(4)]  # eg, et, gamma, bkk_max
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -174,17 +178,20 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
              "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
-             "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(), "gam_t": gam_t.data_ptr(),
-             "bkk_max": bkk_max.data_ptr()}, stream)
+             "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3]}, stream)
     qp, kp = qn, kn
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
-                "p": pqk.data_ptr(), "eg_t": eg_t.data_ptr(), "et_t": et_t.data_ptr(),
+                "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
     L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    t = dict(k=kp, gam_t=gam_t, bkk_max=bkk_max, cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
+
+    def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
+        return dict(device=dev, gam_t=tiles[2 * Hv * TC:3 * Hv * TC].view(Hv, TC),
+                    bkk_max=tiles[3 * Hv * TC:].view(Hv, TC // CHUNK), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
+
     if saved is None and L is not None:
-        ht = _cp_forward(problem, L, tag, sizes, pointers, t, output_final_state, stream)
+        ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
     elif saved is None:
         variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
         _launch(OUT_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
@@ -193,11 +200,14 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
         w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
         pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-        saved.update(q=qp, k=kp, beta=bp, agb=agb, p=pqk, eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w,
-                     vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets, sizes=sizes, tag=tag)
+        eg_t, et_t, gam_t = (tiles[i * Hv * TC:(i + 1) * Hv * TC].view(Hv, TC) for i in range(3))
+        # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
+        saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
+                     eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
+                     sizes=sizes, tag=tag)
         chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
-            seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
+            seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream)
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
         bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
@@ -218,7 +228,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream):
     """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables are
     its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32)."""
-    dev = t["k"].device
+    dev = t["device"]
     N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
     S = cp.max_segments(T, N, L)
     i32 = dict(device=dev, dtype=torch.int32)
@@ -238,7 +248,7 @@ def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: 
     """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
     decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
     [S, Hv, K, V] fp32), h_in[s] the state entering segment s."""
-    dev = t["k"].device
+    dev = t["device"]
     Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
     seg, start, fallback = _cp_tables(problem, L, sizes["TC"], t, stream)
     S = seg.count
@@ -271,7 +281,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
                 stream) -> torch.Tensor:
     """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd_st
     over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
-    dev = t["k"].device
+    dev = t["device"]
     Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
     seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
     S = seg.count
