@@ -6,9 +6,11 @@ is about waves * chain time, waves = ceil(chains / SMs). A narrower block gives 
 make a chain proportionally shorter (the per-chunk latency chain of GEMMs stays), so narrow only when that
 adds no wave; ties go to the wider block (less redundant work).
 Chain costs (relative per-chunk time of one chain, H200, CUDA graphs):
-  OUT_CHAIN_COST     gdn_fwd_st (state in registers; one consumer warpgroup per 64 columns): TP8 1x32768,
-                     8 or 16 chains, one wave either way: 1.27 ms of forward-kernel time at BV = 64, 1.59 ms
-                     at BV = 128; TP1 4096x8: 0.80 ms at BV = 128 (4 waves) vs 1.15 ms at BV = 64 (8 waves).
+  OUT_CHAIN_COST     gdn_fwd_st (state in registers; one consumer warpgroup per 64 columns), plain forward minus
+                     gdn_prepare (scripts/kernel_experiment.py, after the bank-conflict fixes): one wave either
+                     way, BV = 128 costs 1.37-1.39x BV = 64 (TP8 1x32768 0.85 vs 1.16 ms, TP8 1x8192 0.21 vs 0.30,
+                     TP2 1x8192 0.22 vs 0.30, TP8 1x2048 0.060 vs 0.083); TP1 4096x8 BV = 128 (4 waves) 0.65 ms
+                     vs BV = 64 (8 waves) 0.85. (Was 1.25 before them; no matrix row's plan changes.)
   STAGED_CHAIN_COST  chains that stage through shared memory (gdn_fwd's save build, gdn_bwd_dh), measured
                      on gdn_fwd's former out build: BV = 32 0.86 of BV = 64 (TP8 1x32768: 2.82 -> 2.44 ms in
                      total), BV = 128 2.06 (TP1 4096x8: 3.74 ms at 8 waves of 64 vs 3.82 ms at 4 of 128).
@@ -19,7 +21,7 @@ import functools
 import math
 from typing import Dict, Iterable
 
-OUT_CHAIN_COST = {64: 1.0, 128: 1.25}
+OUT_CHAIN_COST = {64: 1.0, 128: 1.38}
 STAGED_CHAIN_COST = {32: 0.86, 64: 1.0, 128: 2.06}
 
 
