@@ -4,31 +4,22 @@ the planner's choice is in doubt (GPU machine): JSON lines for bench/results/exp
 usage: python scripts/cp_experiment.py "TP8 8192x4:32" "TP2 1x8192:32" ...   (kernel_experiment row : L)
 """
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 import flash_qla
 from flash_qla import cp
+from flash_qla.bench.timing import eager_median_ms
 from kernel_experiment import graph_ms, inputs
 
 ROWS = {"TP8 8192x4": (2, 8, [8192] * 4), "TP2 1x8192": (8, 32, [8192]), "TP8 1x8192": (2, 8, [8192]),
         "2B-TP1 1x8192": (16, 16, [8192]), "TP8 1x32768": (2, 8, [32768]), "TP8 1x2048": (2, 8, [2048])}
 
 
-def eager_ms(fn, reps=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+def eager_ms(fn) -> float:
+    """Eager median per call, host overhead included (flash_qla.bench.timing, the benchmark's own method)."""
+    return eager_median_ms(fn, torch.device("cuda"), warmup=5, iters=50)
 
 
 def main(specs):

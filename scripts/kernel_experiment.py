@@ -1,10 +1,10 @@
 """Time forward-kernel families on representative rows (CUDA-graph medians), for kernel experiments."""
-import statistics
 import sys
 
 import torch
 
 from flash_qla import ops
+from flash_qla.bench.timing import graph_median_ms
 from flash_qla.validation import validate_inputs
 
 ROWS = {"TP1 4096x8": (16, 64, [4096] * 8), "TP8 1x32768": (2, 8, [32768]), "TP2 1x8192": (8, 32, [8192]),
@@ -24,25 +24,12 @@ def inputs(hq, hv, lengths):
     return q, k, v, g, beta, cu, torch.randn(len(lengths), hv, 128, 128, device="cuda")
 
 
-def graph_ms(fn, reps=20):
-    fn()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
+def graph_ms(fn) -> float:
+    """CUDA-graph median per call (flash_qla.bench.timing, the benchmark's own method)."""
+    ms, why = graph_median_ms(fn, torch.device("cuda"))
+    if ms is None:
+        raise RuntimeError(why)
+    return ms
 
 
 def main(families):
