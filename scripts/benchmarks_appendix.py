@@ -48,7 +48,7 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35 | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.61, gdn_bwd_dh 0.33, recompute (gdn_prepare 0.09 + gdn_fwd save build 0.22) = 1.24 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.60, gdn_bwd_dh 0.32, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.22) = 1.23 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 | bwd hk4_hv8 32k_1seq | gdn_bwd_dh 1.28, gdn_bwd_chunk 0.60, recompute with CP (save build 0.15, pre-pass 0.12, prepare 0.09, plan + combine 0.08) = 2.33 | whole backward 0.90 (CP in both directions) |
 
 This session's kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the

@@ -35,6 +35,16 @@ def test_changed_kernel_source_fails_check(tmp_path):
     assert "gdn_prepare.bf16.K128" not in r.stdout  # other kernels stay current
 
 
+def test_changed_shared_helper_makes_its_importers_stale(tmp_path):
+    tree = _copy_tree(tmp_path)
+    helper = tree / "aot" / "kernels" / "common.py"
+    helper.write_text(helper.read_text() + "\n# a change\n")
+    r = _check(tree)
+    assert r.returncode == 1
+    assert "gdn_prepare.bf16.K128: stale" in r.stdout and "gdn_bwd_chunk.bf16.K128.V128: stale" in r.stdout
+    assert "gdn_fwd_st" not in r.stdout  # kernels that do not import it stay current
+
+
 def test_changed_compiler_or_missing_cubin_fails_check(tmp_path):
     tree = _copy_tree(tmp_path)
     (tree / "flash_qla" / "_kernels" / "sm90a" / "gdn_prepare.fp16.K64.cubin.xz").unlink()

@@ -16,6 +16,8 @@ extra pass over memory and is deterministic.
 """
 import tilelang.language as T
 
+from .common import chunk_sequence
+
 C = 64
 BV = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
@@ -105,26 +107,17 @@ def build(dtype: str, K: int, V: int):
             db_s = T.alloc_shared((C,), "float32")
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            seq = T.alloc_local((2,), "int32")  # the binary search's bounds; seq[0]: this chunk's sequence
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             valid = T.alloc_var("int32")
             phase = T.alloc_var("int32")
             loaded = T.alloc_barrier(THREADS)
 
-            lo = 0
-            hi = N
-            for _ in T.serial(32):  # sequence of this chunk: largest n with chunk_offsets[n] <= bc
-                if lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if chunk_offsets[mid] <= bc:
-                        lo = mid
-                    else:
-                        hi = mid - 1
+            chunk_sequence(chunk_offsets, N, bc, seq)
             if bc < chunk_offsets[N]:
-                t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
-                eos = cu_seqlens[lo + 1]
+                t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
+                eos = cu_seqlens[seq[0] + 1]
                 valid = T.min(eos - t0, C)
                 # Every tile arrives by TMA on one mbarrier (one elected thread issues, all threads wait): the
                 # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
@@ -259,8 +252,10 @@ def build(dtype: str, K: int, V: int):
                         lane = T.get_thread_binding()
                         acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
                                                 + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
-                        if lane == 0:
-                            dg_s[valid - 1] += acc + T.exp2(gam_s[valid - 1] * LOG2E) * hh
+                    # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
+                    # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
+                    if T.get_thread_binding() == 0:
+                        dg_s[valid - 1] += acc + T.exp2(gam_s[valid - 1] * LOG2E) * hh
                     T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
                     for i in T.Parallel(C):
                         if i < valid:

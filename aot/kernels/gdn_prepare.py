@@ -7,19 +7,22 @@ Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_
   eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
   the chunk's largest beta_i |k_i|^2 (the diagonal of diag(beta) K K^T; 3 for a negative beta: intra-card
   CP's warm-up bound needs every token's 0 <= beta |k|^2 <= 2).
-The recurrence kernel (gdn_fwd) then keeps only the state-dependent chain. One CTA of one warpgroup per
-(chunk, v-head); chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of sequence n,
-a device-side cumsum of ceil(len / 64)), nothing is read on the host.
+The recurrence kernel (gdn_fwd_st) then keeps only the state-dependent chain. One CTA of one warpgroup per
+(chunk, group of up to four v-heads reading the same q / k head: the chunk lookup, the q / k tiles (TMA), the
+optional l2norm of their rows, g / beta and both 64 x 64 x K products are shared by the group; beta scales
+K K^T's rows per head). Chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of
+sequence n, a device-side cumsum of ceil(len / 64)); nothing is read on the host.
 Layouts: Agb, P, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
 64-slot tiles per chunk, [Hv, chunk slot * 64 + row], so the forward streams each as one TMA tile.
 
-The inverse is blocked (fp32 throughout, FMA only): the four 16 x 16 diagonal blocks are inverted by
-forward substitution in parallel (one thread per column, 16 rows deep instead of 64), then the blocks
-below the diagonal follow one diagonal at a time, A_rc = -A_rr sum_{m=c}^{r-1} L_rm A_mc, one warp per
-block with register tiles. The critical path is 7 short phases where the column-per-thread substitution
-over 64 rows was one 64-deep chain on two warps (with gdn_qk, measured 3.3x slower than FlashQLA's solve).
+The inverse is blocked: the four 16 x 16 diagonal blocks by forward substitution in parallel (one thread per
+column, 16 rows deep, fp32 FMA), then the blocks below the diagonal by recursive doubling, A_rc = -A_rr L_rc A_cc
+on the two 32 x 32 diagonal blocks and then the 32 x 32 block below them, each product a warp's 16 x 16 tile on
+the tensor cores (mma m16n8k8 in 3xTF32, about fp32 accuracy): 4 products deep with 4 barriers.
 """
 import tilelang.language as T
+
+from .common import chunk_sequence
 
 C = 64
 B = 16            # diagonal block of the blocked inverse
@@ -177,27 +180,17 @@ def build(dtype: str, K: int):
             gcol = T.alloc_local((8,), "float32")
             bcol = T.alloc_local((8,), "float32")
             loaded = T.alloc_barrier(THREADS)
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            seq = T.alloc_local((2,), "int32")  # the binary search's bounds; seq[0]: this chunk's sequence
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             dot = T.alloc_var("float32")
             wmax = T.alloc_var("float32")
 
-            # sequence of this chunk: largest n with chunk_offsets[n] <= bc (binary search, 32 steps max)
-            lo = 0
-            hi = N
-            for _ in T.serial(32):
-                if lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if chunk_offsets[mid] <= bc:
-                        lo = mid
-                    else:
-                        hi = mid - 1
+            chunk_sequence(chunk_offsets, N, bc, seq)
             if bc < chunk_offsets[N]:
-                t0 = cu_seqlens[lo] + (bc - chunk_offsets[lo]) * C
-                eos = cu_seqlens[lo + 1]
+                t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
+                eos = cu_seqlens[seq[0] + 1]
                 hk = hg * hpc // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
                 valid = T.min(eos - t0, C)
                 tid = T.get_thread_binding()
