@@ -67,8 +67,8 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-What remains: the three 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
-0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.91-0.98x); against FlashInfer on the full-GPU rows
+What remains: the 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
+0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.92-1.00x); against FlashInfer on the full-GPU rows
 (0.73-0.75x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
 on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
 into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).

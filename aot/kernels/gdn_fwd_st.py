@@ -137,6 +137,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     T.wgmma_gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)
+                    # no use of (K S)^T may move above the wait (a consumer thread holds 32 of its registers)
+                    T.warpgroup_fence_operand(kst, num_regs=C // 2)
                 else:
                     T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if trans:  # V = 0: the homogeneous chain
@@ -161,6 +163,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     T.wgmma_gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=K // 2)  # nor of the state (K / 2 per thread)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)  # or of O^T above this one
                     # TileLang hands a pipeline stage back to the producer after the last statement that names its
                     # tiles, unaware that the products above are asynchronous: this never-taken read names q, k
                     # and P after the wait, so the producer cannot refill them while a product still reads them

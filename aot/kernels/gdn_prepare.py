@@ -209,7 +209,19 @@ def build(dtype: str, K: int):
                         hj = idx % hpc
                         b_s[hj, row] = T.if_then_else(row < valid, beta[t0 + row, hg * hpc + hj], 0.0)
                         graw[hj, row] = T.if_then_else(row < valid, g[t0 + row, hg * hpc + hj], 0.0)
-                T.sync_threads()
+                T.mbarrier_wait_parity(loaded[0], 0)
+                if l2norm != 0:
+                    # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype
+                    # in place (threads 0-63: k rows, 64-127: q rows); the k-head's first CTA of the chunk also
+                    # stores the valid rows for the recurrence kernels, so no separate pass reads q / k
+                    normalize_row(k_s, kn, tid < C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
+                    normalize_row(q_s, qn, tid >= C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
+                    T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
+                    T.sync_threads()
+                # both products on the tensor cores while the CUDA cores sum gamma (waited for below)
+                T.wgmma_gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                T.sync_threads()  # beta / g in shared memory
                 # gamma_i: thread (tid % 64) sums its prefix in order (the serial cumsum's rounding, no 64-step
                 # chain through shared memory), the two halves of the warpgroup take alternate heads;
                 # past the end gamma stays at the last value
@@ -226,17 +238,10 @@ def build(dtype: str, K: int):
                     hj = jj * 2 + tid // C
                     if hj < hpc:
                         gam[hj, tid % C] = csum[jj]
-                T.mbarrier_wait_parity(loaded[0], 0)
-                if l2norm != 0:
-                    # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype
-                    # in place (threads 0-63: k rows, 64-127: q rows); the k-head's first CTA of the chunk also
-                    # stores the valid rows for the recurrence kernels, so no separate pass reads q / k
-                    normalize_row(k_s, kn, tid < C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
-                    normalize_row(q_s, qn, tid >= C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
-                    T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
-                    T.sync_threads()
-                T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
-                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                # no use of the accumulators may move above the wait (C * C / THREADS registers each)
+                T.warpgroup_fence_operand(kk, num_regs=C * C // THREADS)
+                T.warpgroup_fence_operand(qk, num_regs=C * C // THREADS)
                 # every warp's products done before kk_s / qk_s (which may take q_s / k_s's place) are written
                 T.sync_threads()
                 # Unmasked: the solve reads K K^T only below the diagonal (the diagonal, |k|^2, rides along for
