@@ -25,21 +25,23 @@ def test_committed_kernels_are_current():
     assert "variants current" in r.stdout
 
 
-def test_changed_kernel_source_fails_check(tmp_path):
+def _check_after_edit(tmp_path, kernel_file: str) -> subprocess.CompletedProcess:
+    """build_matrix check on a copy of the tree in which aot/kernels/<kernel_file> has one more line."""
     tree = _copy_tree(tmp_path)
-    src = tree / "aot" / "kernels" / "gdn_fwd.py"
+    src = tree / "aot" / "kernels" / kernel_file
     src.write_text(src.read_text() + "\n# a change\n")
-    r = _check(tree)
+    return _check(tree)
+
+
+def test_changed_kernel_source_fails_check(tmp_path):
+    r = _check_after_edit(tmp_path, "gdn_fwd.py")
     assert r.returncode == 1
     assert "gdn_fwd.bf16.K128.V128.BV64.modesave: stale" in r.stdout
     assert "gdn_prepare.bf16.K128" not in r.stdout  # other kernels stay current
 
 
 def test_changed_shared_helper_makes_its_importers_stale(tmp_path):
-    tree = _copy_tree(tmp_path)
-    helper = tree / "aot" / "kernels" / "common.py"
-    helper.write_text(helper.read_text() + "\n# a change\n")
-    r = _check(tree)
+    r = _check_after_edit(tmp_path, "common.py")
     assert r.returncode == 1
     assert "gdn_prepare.bf16.K128: stale" in r.stdout and "gdn_bwd_chunk.bf16.K128.V128: stale" in r.stdout
     assert "gdn_fwd_st" not in r.stdout  # kernels that do not import it stay current
