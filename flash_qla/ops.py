@@ -65,18 +65,23 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
     if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
         return FORCE_BLOCK_V
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
-    costs = OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
-    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), costs)
+    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), _chain_costs(kernel))
+
+
+def _chain_costs(kernel: str) -> dict:
+    """The per-chunk chain costs of a chain kernel by V block (flash_qla/planner.py): gdn_fwd_st keeps the state
+    in registers, gdn_fwd's save build and gdn_bwd_dh stage it through shared memory."""
+    return OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
 
 
 def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
     """CP segment length (chunks) for this forward, or None (flash_qla/cp.py); save: for the backward's
     recompute, whose segments run gdn_fwd's save build (staged chains, its own V blocks)."""
-    kernel, mode, costs = (FWD_KERNEL, "save", STAGED_CHAIN_COST) if save else (OUT_KERNEL, "out", OUT_CHAIN_COST)
+    kernel, mode = (FWD_KERNEL, "save") if save else (OUT_KERNEL, "out")
     built = tuple(_built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
-                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=costs)
+                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=_chain_costs(kernel))
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +167,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # one allocation for the four fp32 tiles (eager calls are host-bound on small rows: each costs ~3 us)
     tiles = _empty(3 * Hv * TC + Hv * (TC // CHUNK), device=dev, dtype=torch.float32)
     tile_ptr = [tiles.data_ptr() + i * Hv * TC * 4 for i in range(4)]  # eg, et, gamma, bkk_max
+
+    def tile(i: int) -> torch.Tensor:  # tile i as a tensor (views cost ~2 us: made only where tensors are kept)
+        width = TC if i < 3 else TC // CHUNK
+        return tiles[i * Hv * TC:i * Hv * TC + Hv * width].view(Hv, width)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -187,8 +196,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     L = _segment_chunks(problem, tag, dev, save=saved is not None)
 
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
-        return dict(device=dev, gam_t=tiles[2 * Hv * TC:3 * Hv * TC].view(Hv, TC),
-                    bkk_max=tiles[3 * Hv * TC:].view(Hv, TC // CHUNK), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
+        return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
 
     if saved is None and L is not None:
         ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
@@ -200,7 +208,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
         w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
         pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-        eg_t, et_t, gam_t = (tiles[i * Hv * TC:(i + 1) * Hv * TC].view(Hv, TC) for i in range(3))
+        eg_t, et_t, gam_t = (tile(i) for i in range(3))
         # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,

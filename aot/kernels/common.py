@@ -3,16 +3,17 @@ import tilelang.language as T
 
 
 @T.macro
-def chunk_sequence(chunk_offsets, N, bc, seq):
-    """seq[0] = the sequence that owns chunk slot bc of the packed batch: the largest n with chunk_offsets[n] <= bc
-    (a binary search of at most 32 steps; slots past the last chunk get N, which callers test against
-    chunk_offsets[N])."""
-    seq[0] = 0
-    seq[1] = N
+def last_at_most(table, x, found):
+    """found[0] = the largest n in [0, found[1]] with table[n] <= x, for a non-decreasing table with
+    table[0] <= x: a binary search of at most 32 steps; the caller sets the upper bound found[1] (a macro
+    argument bound to a run-time size would become a kernel parameter of its own). With chunk_offsets and
+    found[1] = N it is the sequence that owns chunk slot x (N for slots past the last chunk, which callers test
+    against chunk_offsets[N]); with a sequence's first segment and found[1] = N - 1, the sequence of segment x."""
+    found[0] = 0
     for _ in T.serial(32):
-        if seq[0] < seq[1]:
-            mid = (seq[0] + seq[1] + 1) // 2
-            if chunk_offsets[mid] <= bc:
-                seq[0] = mid
+        if found[0] < found[1]:
+            mid = (found[0] + found[1] + 1) // 2
+            if table[mid] <= x:
+                found[0] = mid
             else:
-                seq[1] = mid - 1
+                found[1] = mid - 1

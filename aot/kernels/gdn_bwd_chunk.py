@@ -16,7 +16,7 @@ extra pass over memory and is deterministic.
 """
 import tilelang.language as T
 
-from .common import chunk_sequence
+from .common import last_at_most
 
 C = 64
 BV = 64
@@ -114,7 +114,8 @@ def build(dtype: str, K: int, V: int):
             phase = T.alloc_var("int32")
             loaded = T.alloc_barrier(THREADS)
 
-            chunk_sequence(chunk_offsets, N, bc, seq)
+            seq[1] = N
+            last_at_most(chunk_offsets, bc, seq)  # this chunk's sequence
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
                 eos = cu_seqlens[seq[0] + 1]

@@ -14,6 +14,8 @@ Sums run in the torch form's order (latest chunk first, fp32).
 """
 import tilelang.language as T
 
+from .common import last_at_most
+
 C = 64
 VARIANTS = {"tile": [1024]}
 THREADS = 1024
@@ -45,8 +47,7 @@ def build(tile: int):
         with T.Kernel(1, threads=THREADS) as _:
             counts = T.alloc_shared((tile,), "int32")
             carry = T.alloc_shared((1,), "int32")
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
+            seq = T.alloc_local((2,), "int32")  # last_at_most's bounds; seq[0]: the segment's sequence
             total = T.alloc_var("int32")
             acc = T.alloc_var("float32")
             worst = T.alloc_var("float32")
@@ -79,19 +80,12 @@ def build(tile: int):
                 if pair < S * Hv:
                     i = pair // Hv
                     h = pair % Hv
-                    lo = 0
-                    hi = N - 1
-                    for _ in T.serial(32):  # the sequence: largest n < N with seg_base[n] <= i
-                        if lo < hi:
-                            mid = (lo + hi + 1) // 2
-                            if seg_base[mid] <= i:
-                                lo = mid
-                            else:
-                                hi = mid - 1
-                    j = i - seg_base[lo]
+                    seq[1] = N - 1
+                    last_at_most(seg_base, i, seq)  # the sequence of segment i
+                    j = i - seg_base[seq[0]]
                     valid = i < total
-                    scu = T.if_then_else(valid, cu_seqlens[lo] + j * (L * C), tokens)
-                    sslot = T.if_then_else(valid, chunk_offsets[lo] + j * L, chunk_offsets[N])
+                    scu = T.if_then_else(valid, cu_seqlens[seq[0]] + j * (L * C), tokens)
+                    sslot = T.if_then_else(valid, chunk_offsets[seq[0]] + j * L, chunk_offsets[N])
                     if h == 0:
                         seg_cu[i] = scu
                         seg_slot[i] = sslot

@@ -22,7 +22,7 @@ the tensor cores (mma m16n8k8 in 3xTF32, about fp32 accuracy): 4 products deep w
 """
 import tilelang.language as T
 
-from .common import chunk_sequence
+from .common import last_at_most
 
 C = 64
 B = 16            # diagonal block of the blocked inverse
@@ -41,7 +41,7 @@ PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True,
                 # inside warp-divergent branches (compute-sanitizer racecheck then reported false hazards
                 # between the two halves of the warpgroup)
                 "tl.disable_thread_storage_sync": True}
-H = C // 2        # a warp: the second warp of the 64 threads that own a row each
+H = C // 2        # a warp's lanes: bkk_max reduces the 64 rows as two per lane of warp 0
 ROWS_PER_PASS = THREADS // 8   # output stores: 8 threads cover a row (8 columns, 16 bytes each)
 LOG2E = 1.4426950408889634
 L2NORM_EPS = 1e-6  # flash_qla/reference.py L2NORM_EPS (FLA's and FlashQLA's)
@@ -187,7 +187,8 @@ def build(dtype: str, K: int):
             dot = T.alloc_var("float32")
             wmax = T.alloc_var("float32")
 
-            chunk_sequence(chunk_offsets, N, bc, seq)
+            seq[1] = N
+            last_at_most(chunk_offsets, bc, seq)  # this chunk's sequence
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
                 eos = cu_seqlens[seq[0] + 1]
