@@ -3,7 +3,8 @@
 1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward.
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
-   dh, X = dL/dVnew and dV; dh0 at the end.
+   dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
+   segments, from gradients a reverse warm-up pre-pass and a reverse combine give them.
 3. gdn_bwd_chunk turns those into dq, dk, dbeta, dg per (chunk, v-head), fused (the math is
    flash_qla.chunk_grads', whose batched-torch form `_chunk_parallel` is the CPU-tested specification);
    one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass), and l2norm
@@ -54,25 +55,45 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
 
 
 def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool):
-    """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype."""
+    """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype. When the
+    recompute ran intra-card CP, so does this chain (reverse warm-ups, exact transposed transitions, a reverse
+    combine; flash_qla/cp.py), over the same segments."""
     dev = do_p.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
     dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
     dhs = ops.chunk_slot_states(saved["TC"] // ops.CHUNK, problem, dev, dt)
-    dh0 = ops._empty(N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dht_c = dht.float().contiguous() if dht is not None else None
     tag = saved["tag"]
-    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL, mode=None)
-    ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv}, dev,
-                dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0)),
-                {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),
-                 "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
-                 "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
-                 "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
-                 "dhs": dhs.data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
-                 "dh0": (dh0 if dh0 is not None else dhs).data_ptr()})
+    pointers = {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),
+                "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
+                "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
+                "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
+                "dhs": dhs.data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(), "dh0": dhs.data_ptr(),
+                "rend": saved["offsets"].data_ptr(), "rfallback": saved["offsets"].data_ptr()}
+    sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0))
+    chains, seg = None, None
+    if "cp" in saved:
+        seg, rend, rfallback = saved["cp"]
+        pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(),
+                        rfallback=rfallback.data_ptr())
+        ds_out = ops.cp_pre_pass_and_combine(DH_KERNEL, problem, tag, seg, rfallback,
+                                             dict(sizes, use_dht=0, store_dh0=1), pointers, "dh0", dht_c, True,
+                                             ops.current_stream(dev), (rend,))
+        # the segments run as sequences from the gradient of the state leaving each
+        pointers.update(dht=ds_out.data_ptr())
+        sizes.update(N=seg.count, use_dht=1)
+        chains = seg.count
+    dh0 = ops._empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+    if dh0 is not None:
+        pointers.update(dh0=dh0.data_ptr())
+    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
+    ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
+    if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
+        first = dh0.index_select(0, seg.base[:N].clamp(max=seg.count - 1))
+        through = dht_c if dht_c is not None else torch.zeros_like(first)
+        dh0 = torch.where((seg.last < 0)[:, None, None, None], through, first)
     return dv, x, dhs, dh0
 
 

@@ -16,6 +16,11 @@ whose previous segment never decays that far (g = 0 heads), or has a token with 
 [0, 2], falls back to the exact transition (w = L, M computed), so CP meets the non-CP tolerances.
 Everything is computed on the device (no host synchronisation): the segment tables are padded to an
 upper bound of the segment count, and padding segments are empty.
+Backward (reverse) CP, for the dh chain gdn_bwd_dh, which walks chunks last to first: the gradient of the state
+LEAVING segment s depends on everything after it. Its warm-up runs the dh chain from dS = 0 backwards over the
+first w chunks of segment s + 1 (the fewest whose summed g is <= WARMUP_LOG_DECAY: ||Phi^T|| = ||Phi||, the same
+bound), or over all of segment s + 1 with its exact transposed transition M^T for the fallback heads; the combine
+then runs last segment to first from the user's dht (reverse_warmup_tables; FlashQLA's bidirectional warm-up).
 The tables are one gdn_cp_plan launch (segment_tables / warmup_tables below are its torch form, the tested
 specification), so eager calls plan CP too, with the path's host time in the cost (with ~80 torch ops
 instead, ~1.2 ms of host time a call, CP used to be planned only under capture).
@@ -42,11 +47,15 @@ LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan
 EAGER_HOST_COST = 120.0  # and in an eager call its host work (~0.3 ms more than the plain path's ~0.11 ms), which a
                          # CUDA graph replay does not pay. H200, standard matrix (bench/results/h200.jsonl before this
                          # constant): TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344
+BACKWARD_MIN_GAIN = 0.9  # the backward takes CP only for a predicted 10% gain: its CP runs the pre-pass twice (the
+                         # recompute's and the dh chain's). H200, hk16_hv32 32k_1seq: L = 256 predicted 2% faster,
+                         # measured 0.45 ms slower (graph 5.24 ms with CP vs 4.79 eager without)
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
-                        num_sms: int, blocks, capturing: bool = True, chain_costs=None) -> Optional[int]:
+                        num_sms: int, blocks, capturing: bool = True, chain_costs=None,
+                        min_gain: float = 1.0) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -54,17 +63,17 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
     (capturing False) their host time). chain_costs: the per-chunk cost by V block of the chain kernel that
     runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
-    Memoised: every forward asks."""
+    CP is taken when its predicted time is below min_gain x the plain chain's. Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
-             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())))
+             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), min_gain)
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
-    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs = costs
+    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, min_gain = costs
     chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
@@ -75,7 +84,7 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
                             if bv <= head_dim_v)
 
     plain = chains_time(num_seqs * num_v_heads, per_seq)
-    best, best_l = plain, None
+    best, best_l = plain * min_gain, None
     for L in segment_chunks:
         if L >= per_seq:
             break
@@ -147,3 +156,36 @@ def warmup_tables(seg: Segments, gam_t: torch.Tensor, bkk_max: torch.Tensor):
     w = torch.where(seg.first[:, None], 0, w)
     start = (end[:, None] - w * CHUNK).int()
     return start.contiguous(), fallback.int().contiguous()
+
+
+def reverse_warmup_tables(seg: Segments, cu: torch.Tensor, gam_t: torch.Tensor, bkk_max: torch.Tensor):
+    """(end [S, Hv] int32, fallback [S, Hv] int32) for the backward: segment s's reverse warm-up is the token range
+    [seg.cu[s + 1], end[s, h]) at the start of segment s + 1 (empty for a sequence's last segment and padding),
+    fallback where segment s + 1's decay never reaches the bound or a token of it has beta |k|^2 outside [0, 2]
+    (then the range is all of segment s + 1 and its exact transposed transition is used). Chunk totals are
+    gamma's row 63 (gdn_prepare leaves g = 0 past a sequence's end, so a partial chunk's row 63 is its sum).
+    The torch form of the gdn_cp_plan kernel's reverse walk (its GPU test compares against it)."""
+    L, S = seg.L, seg.count
+    Hv = gam_t.shape[0]
+    dev = gam_t.device
+    totals = gam_t.view(Hv, -1, CHUNK)[:, :, CHUNK - 1]                      # [Hv, slots]
+    i = torch.arange(S, device=dev)
+    n = torch.searchsorted(seg.base[1:].long(), i, right=True).clamp(max=cu.numel() - 2)
+    seq_end = cu.long()[n + 1]
+    nxt_cu = seg.cu[1:].long()                                                # segment s + 1's first token
+    nxt_slot = seg.slot[1:].long()
+    has_next = (i < seg.base[-1].long()) & (nxt_cu < seq_end)
+    n_next = torch.where(has_next, torch.clamp((seq_end - nxt_cu + CHUNK - 1) // CHUNK, max=L), 0)   # [S]
+    u = torch.arange(L, device=dev)
+    inside = u[None, :] < n_next[:, None]                                     # [S, L]
+    idx = (nxt_slot[:, None] + u).clamp(max=totals.shape[1] - 1)
+    prefix = torch.where(inside, totals[:, idx], 0.0).cumsum(-1)              # [Hv, S, L]: first w chunks' g
+    hit = (prefix <= WARMUP_LOG_DECAY) & inside
+    decays = hit.any(-1)
+    w = torch.where(decays, hit.int().argmax(-1) + 1, L).T                   # [S, Hv]
+    expands = torch.where(inside, bkk_max[:, idx], -1.0).amax(-1).T > 2.0    # [S, Hv]
+    fallback = (~decays.T | expands) & has_next[:, None]
+    w = torch.where(fallback, L, w)
+    end = torch.minimum(nxt_cu[:, None] + w * CHUNK, seq_end[:, None])
+    end = torch.where(has_next[:, None], end, nxt_cu[:, None])
+    return end.int().contiguous(), fallback.int().contiguous()

@@ -81,7 +81,8 @@ def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool
     built = tuple(_built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
-                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=_chain_costs(kernel))
+                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=_chain_costs(kernel),
+                                  min_gain=cp.BACKWARD_MIN_GAIN if save else 1.0)
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +216,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                      sizes=sizes, tag=tag)
         chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
-            seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream)
+            seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True)
+            saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
         bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
@@ -233,9 +235,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _CACHE[key]
 
 
-def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream):
-    """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables are
-    its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32)."""
+def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False):
+    """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables /
+    cp.reverse_warmup_tables are its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32,
+    reverse) with reverse = (rend, rfallback) [S, Hv] int32 for the backward (bidi), else None."""
     dev = t["device"]
     N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
     S = cp.max_segments(T, N, L)
@@ -243,46 +246,63 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream):
     seg = cp.Segments(L=L, count=S, cu=_empty(S + 1, **i32), slot=_empty(S + 1, **i32), base=_empty(N + 1, **i32),
                       last=_empty(N, **i32))
     start, fallback = _empty(S, Hv, **i32), _empty(S, Hv, **i32)
+    rend, rfallback = (_empty(S, Hv, **i32), _empty(S, Hv, **i32)) if bidi else (start, fallback)
     _launch("gdn_cp_plan", {"tile": 1024}, dev,
-            {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY},
+            {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY,
+             "bidi": int(bidi)},
             {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),
              "gam_t": t["gam_t"].data_ptr(), "bkk_max": t["bkk_max"].data_ptr(), "seg_cu": seg.cu.data_ptr(),
              "seg_slot": seg.slot.data_ptr(), "seg_base": seg.base.data_ptr(), "seg_last": seg.last.data_ptr(),
-             "start": start.data_ptr(), "fallback": fallback.data_ptr()}, stream)
-    return seg, start, fallback
+             "start": start.data_ptr(), "fallback": fallback.data_ptr(), "rend": rend.data_ptr(),
+             "rfallback": rfallback.data_ptr()}, stream)
+    return seg, start, fallback, ((rend, rfallback) if bidi else None)
 
 
-def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream):
+def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream,
+                     bidi: bool = False):
     """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
     decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
-    [S, Hv, K, V] fp32), h_in[s] the state entering segment s."""
-    dev = t["device"]
-    Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
-    seg, start, fallback = _cp_tables(problem, L, sizes["TC"], t, stream)
-    S = seg.count
-    # the warm-up chains write Z straight into h_in; gdn_cp_combine then fixes up only the first and the
-    # fallback segments in place
-    h_in = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
-    m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
+    [S, Hv, K, V] fp32, reverse), h_in[s] the state entering segment s, reverse the backward's warm-up tables
+    (bidi) or None."""
+    seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi)
     pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
                fallback=fallback.data_ptr())
-    seg_sizes = dict(sizes, N=S, use_h0=0, store_ht=1)
+    h_in = cp_pre_pass_and_combine(OUT_KERNEL, problem, tag, seg, fallback, dict(sizes, use_h0=0, store_ht=1), pre,
+                                   "ht", t["h0"], False, stream, (start,))
+    return seg, h_in, reverse
+
+
+def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
+                            pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
+                            keep=()) -> torch.Tensor:
+    """The CP pre-pass of a chain kernel (gdn_fwd_st for the forward, gdn_bwd_dh for the backward: its "state"
+    build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
+    gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
+    pointer its CP builds store to; boundary: h0 (forward) or dht (backward), or None for zeros. Returns
+    [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it."""
+    dev = seg.cu.device
+    Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
+    # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
+    # fallback segments in place
+    out = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
+    m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
+    seg_sizes = dict(sizes, N=S)
     # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
     # (fork / join by events, so a CUDA graph captures them as parallel branches)
     main, side = torch.cuda.current_stream(dev), _side_stream(dev)
     side.wait_stream(main)
-    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
-            dict(pre, ht=h_in.data_ptr()), stream)
-    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
-            dict(pre, ht=m.data_ptr()), side.cuda_stream)
+    _launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
+            dict(pre, **{out_key: out.data_ptr()}), stream)
+    _launch(kernel, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
+            dict(pre, **{out_key: m.data_ptr()}), side.cuda_stream)
     main.wait_stream(side)
-    for buf in (m, start, fallback, seg.cu, seg.slot):
+    for buf in (m, fallback, seg.cu, seg.slot, *keep):
         buf.record_stream(side)
-    h0 = t["h0"]
-    _launch("gdn_cp_combine", {"K": K, "V": V}, dev, {"Hv": Hv, "N": N, "S": S, "use_h0": int(h0 is not None)},
+    _launch("gdn_cp_combine", {"K": K, "V": V}, dev,
+            {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse)},
             {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
-             "h0": (h0 if h0 is not None else h_in).data_ptr(), "h_in": h_in.data_ptr()}, stream)
-    return seg, h_in
+             "h0": (boundary if boundary is not None else out).data_ptr(), "h_in": out.data_ptr()}, stream)
+    return out
 
 
 def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
@@ -291,7 +311,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
     dev = t["device"]
     Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
-    seg, h_in = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
+    seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
     S = seg.count
     ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)

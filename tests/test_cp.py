@@ -116,3 +116,46 @@ def test_cp_algebra_matches_the_recurrence(unit_keys):
             err = (state - ht_ref[n, h]).norm() / ht_ref[n, h].norm()
             assert err < 1e-4, (n, h, float(err))
     assert float((o - o_ref[0]).norm() / o_ref[0].norm()) < 1e-4
+
+
+@pytest.mark.parametrize("unit_keys", [True, False])
+def test_reverse_cp_algebra_matches_the_adjoint(unit_keys):
+    """The backward's CP as gdn_bwd_dh's state / trans builds and the reverse gdn_cp_combine do it, with autograd
+    through the token recurrence standing in for each dh chain: the gradient of the state leaving every segment
+    equals the exact adjoint (everything after the boundary, dht included) to within the warm-up bound, fallback
+    heads exactly."""
+    lengths, L, hq, hv, K, V = [1, 200, 64 * 9 + 5, 65, 330], 2, 2, 4, 8, 8
+    x = hard_inputs(lengths, hq, hv, K, V, unit_keys=unit_keys)
+    q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    g = g / 40
+    cu, offsets, seg = _tables(lengths, L)
+    T = int(cu[-1])
+    end, fallback = cp.reverse_warmup_tables(seg, cu, *_tiles(g[0], k[0], beta[0], cu, offsets, T, hv // hq))
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(T, hv, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(len(lengths), hv, K, V, generator=gen, dtype=torch.float64)
+    checked = {True: 0, False: 0}
+    for n in range(len(lengths)):
+        b0, b1 = int(seg.base[n]), int(seg.base[n + 1])
+        if b1 > b0:  # the last segment's range is empty
+            assert torch.equal(end[b1 - 1].long(), seg.cu[b1].long().expand(hv)) and not bool(fallback[b1 - 1].any())
+        for h in range(hv):
+            carried = dht[n, h]  # the gradient leaving the sequence's last segment
+            for s in reversed(range(b0, b1 - 1)):
+                b, e = int(seg.cu[s + 1]), int(end[s, h])
+                _, s_b = _run(q, k, v, g, beta, h0[n, h], int(cu[n]), b, h)
+                s_b = s_b.detach().requires_grad_(True)
+                o, st = _run(q, k, v, g, beta, s_b, b, e, h)
+                loss = (o * do[b:e, h]).sum()
+                if fallback[s, h]:  # all of the next segment, and its exact transposed transition
+                    assert e == int(seg.cu[s + 2])
+                    loss = loss + (st * carried).sum()
+                else:
+                    assert float(g[0, b:e, h].sum()) <= cp.WARMUP_LOG_DECAY + 1e-9
+                carried, = torch.autograd.grad(loss, s_b)
+                o, st = _run(q, k, v, g, beta, s_b, b, int(cu[n + 1]), h)
+                exact, = torch.autograd.grad((o * do[b:int(cu[n + 1]), h]).sum() + (st * dht[n, h]).sum(), s_b)
+                err = (carried - exact).norm() / exact.norm()
+                assert err < 1e-4, (n, h, s, float(err))
+                checked[bool(fallback[s, h])] += 1
+    assert checked[True] > 0 and (checked[False] > 0 or not unit_keys)

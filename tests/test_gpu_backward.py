@@ -80,15 +80,21 @@ def test_backward_long_sequences_and_strong_decay():
 
 @pytest.mark.parametrize("tag", ["bf16", "fp16"])
 def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
-    """The recompute pass with CP forced (4-chunk segments: warm-up states, exact fallback for the g = 0 head,
-    combine, then the save build over the segments): every gradient within tolerance, and close to the plain
-    path's (the segments' entering states differ from the serial chain's by rounding only)."""
+    """CP forced (4-chunk segments) in both directions: the recompute (warm-up states, exact fallback for the g = 0
+    head, combine, the save build over the segments) and the dh chain (reverse warm-ups, exact transposed
+    transitions, reverse combine, gdn_bwd_dh over the segments; an empty sequence's dh0 is its dht): every
+    gradient within tolerance, and close to the plain path's (they differ by rounding only)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
-    x = draw(LENGTHS["long"] + [700, 1, 65], 2, 8, 128, 128, dtype, seed=29)
+    x = draw(LENGTHS["long"] + [700, 0, 1, 65], 2, 8, 128, 128, dtype, seed=29)
     do, dht = cotangents(x, seed=4)
     want = grads(x, do, dht, fp64=True)
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 4)
+    passes = []
+    real = ops.cp_pre_pass_and_combine
+    monkeypatch.setattr(ops, "cp_pre_pass_and_combine",
+                        lambda kernel, *a, **kw: passes.append(kernel) or real(kernel, *a, **kw))
     got_cp = grads(x, do, dht)
+    assert passes == ["gdn_fwd_st", "gdn_fwd_st", "gdn_bwd_dh"]  # forward, recompute, the dh chain
     check(got_cp, want, TOL, f"CP recompute {tag}")
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)
     got_plain = grads(x, do, dht)
@@ -110,7 +116,9 @@ def test_backward_l2norm_dense_batch_and_scale():
     check(dict(zip(NAMES, got)), dict(zip(NAMES, want)), TOL, "l2norm dense")
 
 
-def test_backward_hundred_repeats_bit_identical():
+@pytest.mark.parametrize("segment_chunks", [None, 3])  # planned (no CP here), CP forced in both directions
+def test_backward_hundred_repeats_bit_identical(segment_chunks, monkeypatch):
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)
     x = draw(LENGTHS["mixed"] + [2048], 2, 8, 128, 128, torch.bfloat16, seed=25)
     do, dht = cotangents(x, seed=3)
     first = grads(x, do, dht)

@@ -90,7 +90,8 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture(monkeypatch):
 @pytest.mark.parametrize("L", [1, 2, 5])
 @pytest.mark.parametrize("unit_keys", [True, False])
 def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
-    """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables on gdn_prepare's real outputs:
+    """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables (+ cp.reverse_warmup_tables for the
+    backward's launch) on gdn_prepare's real outputs:
     varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound."""
     x = draw(LENGTHS, 2, 6, 64, 64, torch.bfloat16, seed=L)
     if not unit_keys:
@@ -99,15 +100,17 @@ def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
     captured = {}
     real = ops._cp_tables
 
-    def spy(problem, L_, TC, t, stream):
-        captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream))
+    def spy(problem, L_, TC, t, stream, bidi=False):
+        captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream, bidi), problem=problem)
         return captured["out"]
 
     monkeypatch.setattr(ops, "_cp_tables", spy)
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", L)
     flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    seg, start, fallback = captured["out"]
+    seg, start, fallback, _ = captured["out"]
     t = captured["t"]
+    # the backward's launch (bidi): the same tables plus the reverse warm-ups
+    seg2, start2, fallback2, (rend, rfallback) = real(captured["problem"], L, captured["TC"], t, None, bidi=True)
     T = int(x["cu_seqlens"][-1])
     ref = cp.segment_tables(t["cu"], t["offsets"], T, L)
     ref_start, ref_fallback = cp.warmup_tables(ref, t["gam_t"], t["bkk_max"])
@@ -116,3 +119,9 @@ def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
         assert torch.equal(getattr(seg, name).long(), getattr(ref, name).long()), name
     assert torch.equal(start, ref_start) and torch.equal(fallback, ref_fallback)
     assert bool(fallback.any()) and bool((fallback == 0).any())  # both paths exercised
+    assert torch.equal(start2, start) and torch.equal(fallback2, fallback) and torch.equal(seg2.cu, seg.cu)
+    ref_rend, ref_rfallback = cp.reverse_warmup_tables(ref, t["cu"], t["gam_t"], t["bkk_max"])
+    assert torch.equal(rend, ref_rend) and torch.equal(rfallback, ref_rfallback)
+    assert bool(rfallback.any())
+    if unit_keys:  # a gate-bounded reverse warm-up somewhere (keys with |k| != 1 void the bound everywhere)
+        assert bool((rend > seg.cu[1:].int()[:, None]).logical_and(rfallback == 0).any())

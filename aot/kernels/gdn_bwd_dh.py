@@ -12,20 +12,29 @@ dS' (the chunk's dh, as the GEMMs used it), X and dV; after the first chunk dS i
 rest of the backward (dq, dk, dbeta, dg) runs afterwards on these (flash_qla/chunk_grads.py).
 Rows past the sequence end: dO is zeroed there (and et = 0), so X and dW vanish on them and the
 next sequence's q/k rows that the tile loads contribute nothing.
+Backward intra-card CP (flash_qla/cp.py; "chain" then runs the segments as sequences from their leaving-state
+gradients): "state" walks the range [cu_seqlens[n + 1], rend[n, h]) (the start of the segment after n) backwards
+from dS = 0 and stores the dS it ends with (the gate-bounded warm-up of the gradient leaving segment n);
+"trans" walks the same range (all of the next segment, fallback heads only) with dO = 0 from dS = I (V = K):
+the range's transposed transition M^T, the adjoint of the forward's "trans" M.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 C = 64
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64]}
-VARIANT_RULE = "BV <= V"
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
+            "mode": ["chain", "state", "trans"]}
+# the CP pre-pass builds: one V block (64); trans needs V = K
+VARIANT_RULE = "BV <= V and (mode == 'chain' or BV == 64) and (mode != 'trans' or V == K)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
 
 
-def build(dtype: str, K: int, V: int, BV: int):
+def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
     dt = DTYPES[dtype]
+    chain = mode == "chain"  # compile time: only the chain stores per-chunk outputs
+    trans = mode == "trans"  # dO = 0 (no q, dO or P read), dS = I
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -48,6 +57,8 @@ def build(dtype: str, K: int, V: int, BV: int):
         x: T.Tensor((NT, Hv, V), dt),
         dv: T.Tensor((NT, Hv, V), dt),
         dh0: T.Tensor((N, Hv, K, V), "float32"),
+        rend: T.Tensor((N, Hv), "int32"),
+        rfallback: T.Tensor((N, Hv), "int32"),
         scale: T.float32,
         use_dht: T.int32,
         store_dh0: T.int32,
@@ -77,50 +88,71 @@ def build(dtype: str, K: int, V: int, BV: int):
             c0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             nc = T.alloc_var("int32")
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            c0 = chunk_offsets[n]
+            if chain:
+                bos = cu_seqlens[n]
+                eos = cu_seqlens[n + 1]
+                c0 = chunk_offsets[n]
+            else:  # the range at the start of the next segment (chunk aligned), up to rend
+                bos = cu_seqlens[n + 1]
+                eos = rend[n, h]
+                if trans:
+                    if rfallback[n, h] == 0:
+                        eos = bos
+                c0 = chunk_offsets[n + 1]
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             nc = T.ceildiv(eos - bos, C)
             v0 = bv * BV
-            if use_dht != 0:
+            if trans:  # the block's columns of the identity
+                for kk, d in T.Parallel(K, BV):
+                    dS[kk, d] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
+            elif use_dht != 0:
                 T.copy(dht[n, h, :, v0:v0 + BV], dS)
             else:
                 T.clear(dS)
             for r in T.Pipelined(nc, num_stages=STAGES):
                 c = nc - 1 - r
                 t0 = bos + c * C
-                T.copy(q[t0:t0 + C, hk, :], q_s)
+                if not trans:
+                    T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
-                T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
+                if not trans:
+                    T.copy(do[t0:t0 + C, h, v0:v0 + BV], do_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
-                T.copy(p[t0:t0 + C, h, :], p_s)
+                if not trans:
+                    T.copy(p[t0:t0 + C, h, :], p_s)
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
                 T.copy(dS, ds_s)
-                T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
+                if chain:
+                    T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
                 T.gemm(k_s, ds_s, xf, clear_accum=True)
-                for i, d in T.Parallel(C, BV):
-                    dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
-                    dos_s[i, d] = T.if_then_else(
-                        i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
-                    xf[i, d] = xf[i, d] * et_s[i]
-                T.gemm(p_s, dom_s, xf, transpose_A=True)
+                if trans:
+                    for i, d in T.Parallel(C, BV):
+                        xf[i, d] = xf[i, d] * et_s[i]
+                else:
+                    for i, d in T.Parallel(C, BV):
+                        dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
+                        dos_s[i, d] = T.if_then_else(
+                            i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
+                        xf[i, d] = xf[i, d] * et_s[i]
+                    T.gemm(p_s, dom_s, xf, transpose_A=True)
                 for i, d in T.Parallel(C, BV):
                     x_s[i, d] = T.cast(xf[i, d], dt)
                 T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
-                    if i < valid:
-                        x[t0 + i, h, v0 + d] = x_s[i, d]
-                        dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
+                    if chain:
+                        if i < valid:
+                            x[t0 + i, h, v0 + d] = x_s[i, d]
+                            dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
-                T.gemm(q_s, dos_s, dS, transpose_A=True)
+                if not trans:
+                    T.gemm(q_s, dos_s, dS, transpose_A=True)
                 T.gemm(k_s, dwe_s, dS, transpose_A=True)
-            if store_dh0 != 0:
+            if store_dh0 != 0 or not chain:
                 T.copy(dS, dh0[n, h, :, v0:v0 + BV])
 
     return gdn_bwd_dh

@@ -5,6 +5,9 @@ flash_qla/cp.py). Per (sequence, v-head, 16 V columns) one CTA walks the sequenc
     h_in[first] = h0 (or 0)
     h_in[s]    += M[s] h_in[s-1]      only where fallback[s] (the exact transition of s - 1's range, for
                                       heads whose decay does not bound the warm-up); elsewhere Z[s] stands.
+With reverse (the backward's dS chain, flash_qla/cp.py) the walk runs last segment to first:
+    h_in[last] = dht (or 0);  h_in[s] += M^T[s] h_in[s+1] where fallback[s]
+(m then holds the transposed transitions of the segments after, gdn_bwd_dh's "trans" mode).
 So a sequence whose heads all decay costs one flag read per segment, and a fallback step ~3.7 us on the
 H200 (TP8 1x8192 at 8-chunk segments: 16 steps, 0.059 ms; 0.086 ms with one output per thread). fp32 FMAs (no tf32),
 so the combination adds no error beyond the chains'. Segments of one sequence are contiguous, seg_base[n]
@@ -36,6 +39,7 @@ def build(K: int, V: int):
         h0: T.Tensor((N, Hv, K, V), "float32"),
         h_in: T.Tensor((S, Hv, K, V), "float32"),
         use_h0: T.int32,
+        reverse: T.int32,
     ):
         with T.Kernel(V // BVC, Hv, N, threads=threads(K)) as (bv, h, n):
             hs = T.alloc_shared((K, BVC), "float32")
@@ -45,6 +49,9 @@ def build(K: int, V: int):
             hcol = T.alloc_local((4 * COLS,), "float32")
             s0 = T.alloc_var("int32")
             s1 = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            seg = T.alloc_var("int32")
+            prev = T.alloc_var("int32")
             s0 = seg_base[n]
             s1 = seg_base[n + 1]
             v0 = bv * BVC
@@ -54,17 +61,19 @@ def build(K: int, V: int):
             if s1 > s0:
                 # plain stores, not a TMA store: a fallback step reads this back with ordinary loads after a
                 # barrier, which orders generic-proxy writes only
+                first = T.if_then_else(reverse != 0, s1 - 1, s0)
                 for i in T.unroll(ROWS):
                     for u in T.unroll(COLS):
-                        h_in[s0, h, r0 + i, v0 + c0 + u] = T.if_then_else(
+                        h_in[first, h, r0 + i, v0 + c0 + u] = T.if_then_else(
                             use_h0 != 0, h0[n, h, r0 + i, v0 + c0 + u], 0.0)
                 for i in T.serial(s1 - s0 - 1):
-                    seg = s0 + 1 + i
+                    seg = T.if_then_else(reverse != 0, s1 - 2 - i, s0 + 1 + i)
+                    prev = T.if_then_else(reverse != 0, seg + 1, seg - 1)
                     if fallback[seg, h] != 0:
-                        # the predecessor's entering state is final: this CTA wrote it (or left its Z) earlier
+                        # the predecessor's state is final: this CTA wrote it (or left its Z) earlier
                         T.sync_threads()
                         for rr, cc in T.Parallel(K, BVC):
-                            hs[rr, cc] = h_in[seg - 1, h, rr, v0 + cc]
+                            hs[rr, cc] = h_in[prev, h, rr, v0 + cc]
                         for rr, kk in T.Parallel(K, K):
                             m_s[rr, kk] = m[seg, h, rr, kk]
                         T.sync_threads()

@@ -10,7 +10,10 @@ One CTA:
      chunks of the previous segment whose summed g is <= decay_bound (chunk totals: gdn_prepare's gamma at
      row 63), or the whole previous segment plus the exact-transition fallback when it never gets there or a
      token of it has beta |k|^2 outside [0, 2] (gdn_prepare's per-chunk bkk_max).
-Sums run in the torch form's order (latest chunk first, fp32).
+  3. with bidi (the backward), also the reverse warm-up: the fewest leading chunks of the NEXT segment of the
+     sequence whose summed g is <= decay_bound -> rend (the range [seg_cu[i + 1], rend) that gdn_bwd_dh's state
+     mode walks backwards), or all of the next segment plus the fallback flag (cp.reverse_warmup_tables).
+Sums run in the torch form's order (latest chunk first for the forward, earliest first for the reverse, fp32).
 """
 import tilelang.language as T
 
@@ -40,9 +43,12 @@ def build(tile: int):
         seg_last: T.Tensor((N,), "int32"),
         start: T.Tensor((S, Hv), "int32"),
         fallback: T.Tensor((S, Hv), "int32"),
+        rend: T.Tensor((S, Hv), "int32"),
+        rfallback: T.Tensor((S, Hv), "int32"),
         L: T.int32,
         tokens: T.int32,
         decay_bound: T.float32,
+        bidi: T.int32,
     ):
         with T.Kernel(1, threads=THREADS) as _:
             counts = T.alloc_shared((tile,), "int32")
@@ -52,6 +58,7 @@ def build(tile: int):
             acc = T.alloc_var("float32")
             worst = T.alloc_var("float32")
             w = T.alloc_var("int32")
+            n_next = T.alloc_var("int32")
             tot = T.alloc_local((GROUP,), "float32")
             big = T.alloc_local((GROUP,), "float32")
             tid = T.get_thread_binding()
@@ -116,6 +123,35 @@ def build(tile: int):
                         else:
                             start[i, h] = scu - w * C
                             fallback[i, h] = 0
+                    if bidi != 0:  # the next segment of the sequence: its first chunks, earliest first
+                        seq_end = cu_seqlens[seq[0] + 1]
+                        n_next = 0
+                        if valid and scu + L * C < seq_end:
+                            n_next = T.min(T.ceildiv(seq_end - scu - L * C, C), L)
+                        acc = 0.0
+                        worst = -1.0
+                        w = 0
+                        for t0 in T.serial(T.ceildiv(n_next, GROUP)):
+                            for u in T.unroll(GROUP):
+                                tot[u] = T.if_then_else(t0 * GROUP + u < n_next,
+                                                        gam_t[h, (sslot + L + t0 * GROUP + u) * C + C - 1], 0.0)
+                                big[u] = T.if_then_else(t0 * GROUP + u < n_next,
+                                                        bkk_max[h, sslot + L + t0 * GROUP + u], -1.0)
+                            for u in T.unroll(GROUP):
+                                if t0 * GROUP + u < n_next:
+                                    acc += tot[u]
+                                    if w == 0 and acc <= decay_bound:
+                                        w = t0 * GROUP + u + 1
+                                    worst = T.max(worst, big[u])
+                        if n_next == 0:  # the sequence's last segment, or padding: an empty range
+                            rend[i, h] = T.if_then_else(valid, T.min(scu + L * C, seq_end), tokens)
+                            rfallback[i, h] = 0
+                        elif w == 0 or worst > 2.0:
+                            rend[i, h] = T.min(scu + 2 * L * C, seq_end)
+                            rfallback[i, h] = 1
+                        else:
+                            rend[i, h] = T.min(scu + (L + w) * C, seq_end)
+                            rfallback[i, h] = 0
             if tid == 0:
                 seg_cu[S] = tokens
                 seg_slot[S] = chunk_offsets[N]
