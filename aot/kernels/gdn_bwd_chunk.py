@@ -45,6 +45,13 @@ def build(dtype: str, K: int, V: int):
         T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
         T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
 
+    def fold_product(a, b, i, j):
+        """sum over kk = i (mod C) of a[kk, j] * b[kk, j], in fp32 (K is a multiple of C)."""
+        total = T.cast(a[i, j], "float32") * T.cast(b[i, j], "float32")
+        for r in range(1, K // C):
+            total = total + T.cast(a[r * C + i, j], "float32") * T.cast(b[r * C + i, j], "float32")
+        return total
+
     @T.prim_func
     def gdn_bwd_chunk(
         q: T.Tensor((NT, Hq, K), dt),
@@ -100,7 +107,6 @@ def build(dtype: str, K: int, V: int):
             rp = T.alloc_fragment((C,), "float32")
             cp = T.alloc_fragment((C,), "float32")
             ra = T.alloc_fragment((C,), "float32")
-            ca = T.alloc_fragment((C,), "float32")
             dbc = T.alloc_fragment((C,), "float32")
             dbr = T.alloc_fragment((C,), "float32")
             r3_s = T.alloc_shared((C,), "float32")
@@ -128,9 +134,6 @@ def build(dtype: str, K: int, V: int):
                 T.barrier_arrive(loaded[0])
                 T.mbarrier_wait_parity(loaded[0], phase)
                 phase = phase ^ 1
-                for i, d in T.Parallel(C, K):
-                    dqa_s[i, d] = 0.0
-                    dka_s[i, d] = 0.0
                 for r in T.serial(Hv // Hq):  # the group's v-heads in order: deterministic sums
                     h = hk * (Hv // Hq) + r
                     # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it;
@@ -148,7 +151,7 @@ def build(dtype: str, K: int, V: int):
                     T.clear(dks)
                     T.clear(dP)
                     T.clear(dAgb)
-                    T.clear(cc)  # S^T dS' over the V blocks: its trace is sum(S * dS'), eg_last's factor
+                    T.clear(cc)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x C
                     for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
                         v0 = vb * BV
                         if vb > 0 or r == 0:  # a later head's first block was prefetched behind the previous tail
@@ -159,19 +162,28 @@ def build(dtype: str, K: int, V: int):
                         T.barrier_arrive(loaded[0])
                         T.mbarrier_wait_parity(loaded[0], phase)
                         phase = phase ^ 1
-                        T.gemm(do_s, h_s, dqf, transpose_B=True)
-                        T.gemm(dw_s, h_s, dkf, transpose_B=True)
-                        T.gemm(vn_s, dh_s, dks, transpose_B=True)
-                        T.gemm(do_s, vn_s, dP, transpose_B=True)
-                        T.gemm(x_s, w_s, dAgb, transpose_B=True)
-                        T.gemm(h_s, dh_s, cc, transpose_A=True)
+                        # the five products issued back to back, one wait (each T.gemm waited for its own)
+                        T.wgmma_gemm(do_s, h_s, dqf, transpose_B=True)
+                        T.wgmma_gemm(dw_s, h_s, dkf, transpose_B=True)
+                        T.wgmma_gemm(vn_s, dh_s, dks, transpose_B=True)
+                        T.wgmma_gemm(do_s, vn_s, dP, transpose_B=True)
+                        T.wgmma_gemm(x_s, w_s, dAgb, transpose_B=True)
+                        # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto cc's C (formerly a
+                        # K-deep product S^T dS' whose trace was taken)
+                        for i, j in T.Parallel(C, BV):
+                            cc[i, j] += fold_product(h_s, dh_s, i, j)
+                        T.wait_wgmma(0)
+                        # no use of an accumulator may move above the wait
+                        T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
+                        T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
+                        T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
+                        T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
+                        T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
                     if r + 1 < Hv // Hq:  # the next head's first V block loads while this head's tail computes
                         T.fence_proxy_async()
                         T.sync_threads()
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc,
                                    h + 1, 0)
-                    for i, j in T.Parallel(C, C):
-                        cc[i, j] = T.if_then_else(i == j, cc[i, j], 0.0)
                     T.reduce_sum(cc, rp, dim=1)
                     for i in T.Parallel(C):
                         hd_s[i] = rp[i]
@@ -204,37 +216,40 @@ def build(dtype: str, K: int, V: int):
                             i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
                         m_s[i, j] = T.cast(dP[i, j], dt)
                         cc[i, j] = dP[i, j] * cc[i, j]
-                    T.reduce_sum(cc, rp, dim=1)
-                    for i in T.Parallel(C):
-                        dg_s[i] += rp[i]
+                    # (cc keeps this product: its row sums join the A part's in one reduction)
                     T.reduce_sum(cc, cp, dim=0)
                     for i in T.Parallel(C):
                         dg_s[i] -= cp[i]
-                    T.gemm(m_s, k_s, dqf)
-                    T.gemm(m_s, q_s, dkf, transpose_A=True)
+                    T.wgmma_gemm(m_s, k_s, dqf)
+                    T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
+                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
 
                     # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
                     for i, j in T.Parallel(C, C):
                         dAgb[i, j] = T.if_then_else(
                             i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
                         dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
-                        cc[i, j] = dP[i, j] * b_s[j]
+                        cc[i, j] += dP[i, j] * b_s[j]
                         t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                    T.reduce_sum(cc, ra, dim=1)
+                    T.reduce_sum(cc, ra, dim=1)  # both parts' row sums
                     for i in T.Parallel(C):
                         dg_s[i] += ra[i]
-                    T.reduce_sum(cc, ca, dim=0)
-                    for i in T.Parallel(C):
-                        dg_s[i] -= ca[i]
+                    # the A part's column sums are beta_j times dP's, which dbeta takes as they are
                     T.reduce_sum(dP, dbc, dim=0)
                     for i in T.Parallel(C):
                         db_s[i] += dbc[i]
+                        dg_s[i] -= dbc[i] * b_s[i]
                     # dL = -strictLower(A^T dA A^T)
                     T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         m_s[i, j] = T.cast(dAgb[i, j], dt)
-                    T.gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
-                    T.gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
+                    T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
                     for i, j in T.Parallel(C, C):
                         dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
                         cc[i, j] = dP[i, j] * cc[i, j]
@@ -242,8 +257,10 @@ def build(dtype: str, K: int, V: int):
                     T.reduce_sum(cc, dbr, dim=1)
                     for i in T.Parallel(C):
                         db_s[i] += dbr[i]
-                    T.gemm(t_s, k_s, dkf)
-                    T.gemm(t_s, k_s, dkf, transpose_A=True)
+                    T.wgmma_gemm(t_s, k_s, dkf)
+                    T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
 
                     # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
                     # total and eg_last * sum(S * dS')
@@ -262,9 +279,16 @@ def build(dtype: str, K: int, V: int):
                         if i < valid:
                             dg[t0 + i, h] = dgc_s[i]
                             dbeta[t0 + i, h] = db_s[i]
-                    for i, d in T.Parallel(C, K):  # each thread adds its own fragment elements
-                        dqa_s[i, d] += dqf[i, d]
-                        dka_s[i, d] += dkf[i, d]
+                    # the group's running sums: each thread reads and writes only its own fragment elements. As
+                    # one read-modify-write loop TileLang could not prove that and put a CTA barrier in each of its
+                    # 16 unrolled steps; a read loop, then a write loop, have none inside
+                    if r > 0:
+                        for i, d in T.Parallel(C, K):
+                            dqf[i, d] += dqa_s[i, d]
+                            dkf[i, d] += dka_s[i, d]
+                    for i, d in T.Parallel(C, K):
+                        dqa_s[i, d] = dqf[i, d]
+                        dka_s[i, d] = dkf[i, d]
                 for i, d in T.Parallel(C, K):
                     if i < valid:
                         dq[t0 + i, hk, d] = T.cast(dqa_s[i, d], dt)
