@@ -48,10 +48,10 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35 | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.60, gdn_bwd_dh 0.32, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.22) = 1.23 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq | gdn_bwd_dh 1.28, gdn_bwd_chunk 0.60, recompute with CP (save build 0.15, pre-pass 0.12, prepare 0.09, plan + combine 0.08) = 2.33 | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.53, gdn_bwd_dh 0.32, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.22) = 1.16 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (eager profile) | gdn_bwd_chunk 0.52, gdn_bwd_dh with reverse CP 0.50 (pre-pass and segments), recompute with CP (save build 0.15, pre-pass 0.13, prepare 0.08), gdn_cp_plan 0.08 + combines 0.06 = 1.53 | whole backward 0.90 (CP in both directions) |
 
-This session's kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
+Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
 - gdn_prepare: one CTA per (chunk, group of up to 4 v-heads sharing a q / k head; `planner.plan_heads_per_cta`)
   shares the chunk lookup, q / k tiles, g / beta loads and both 64 x 64 x K products; output stores as whole
@@ -67,9 +67,22 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
+This session (backward, H200 graph medians; `bench/results/experiments/bwd_*`):
+- Reverse intra-card CP for the dh chain: gdn_cp_plan's bidirectional walk gives each segment's reverse warm-up
+  (the fewest leading chunks of the next segment whose summed g reaches -10) or the exact fallback; gdn_bwd_dh's
+  state / trans builds give the warm-up gradients and the transposed transitions M^T; gdn_cp_combine walks last
+  segment to first from dht; the chain then runs the segments. gdn_bwd_dh on hk4_hv8 32k_1seq 1.28 -> 0.50 ms; the
+  rows 32k_1seq 2.29 -> 1.48 ms, hk4_hv8 8k_1seq 0.65 -> 0.48. The backward takes CP only for a predicted 10% gain
+  (hk16_hv32 32k_1seq: predicted 2% faster at 256-chunk segments, measured 0.45 ms slower).
+- gdn_bwd_chunk: TileLang had put a CTA barrier in each of the 16 unrolled steps of the dq / dk group-sum loop (a
+  read loop then a write loop need none); the P and A parts share one row reduction and the A part's column sums come
+  from dbeta's (7 cross-warp reductions a head instead of 9); 0.60 -> 0.53 ms (hk16_hv32 8k_1seq). Issuing its
+  V-block products back to back with one wait changed nothing measurable: the kernel is bound by its barriers and
+  reductions (ncu: 30% of stall samples at barriers, 19% short scoreboard), not by the tensor cores (12% busy).
+
 What remains: the 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
-0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.92-1.00x); against FlashInfer on the full-GPU rows
-(0.73-0.75x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
+0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.91-0.92x); against FlashInfer on the full-GPU rows
+(0.71-0.76x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
 on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
 into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).
 
@@ -77,10 +90,13 @@ Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.308 ms (1.28x Flas
 0.277, 1x8192 0.145; TP2 1x32768 0.818 (1.54x); 2B-TP1 1x32768 0.530, 28672+4096 0.522. The planner's constants and
 the measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
 
-Backward: gdn_bwd_dh (the reverse chain, 2.5 us a chunk) is the long pole on the one-sequence rows (hk4_hv8 32k_1seq
-1.28 of 2.33 ms): the reverse intra-card CP (warm-up after each segment, transposed transitions, a reverse combine)
-is not built; gdn_bwd_chunk is still one CTA per SM (230 registers at 256 threads, 212 KB smem) with nine
-cross-warp reductions per head.
+Backward (0.67x FlashQLA geomean): the design is three passes over memory where FlashQLA fuses the dh recurrence into
+its chunk kernel. gdn_bwd_chunk (one CTA per SM: 229 registers at 256 threads, 210 KB smem; 7 cross-warp reductions a
+head, each a few CTA barriers) is ~45% of the many-head rows; gdn_bwd_dh (2.5 us a chunk, 5 dependent GEMMs through
+shared memory) and the recompute's save build the rest. Closing the gap needs the fused design (dS carried in
+registers across a segment's chunks, no dhs / X / dV round trip) or a chunk kernel with reductions staged through
+shared memory in one barrier each; the 32k_8seq rows would also take CP if the planner knew the longest sequence
+(it assumes equal lengths to avoid a host synchronisation).
 """
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text()

@@ -18,15 +18,23 @@ for x in (q, k, v, g, beta, h0):
     x.requires_grad_(True)
 o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 grads = torch.autograd.grad([o, ht], [q, k, v, g, beta, h0], [torch.randn_like(o), torch.randn_like(ht)])
-# the intra-card CP forward too (pre-pass builds, gdn_cp_combine): segments of one chunk, g = 0 on one head
+# the intra-card CP forward and backward too (pre-pass builds, gdn_cp_combine both ways): segments of one chunk,
+# g = 0 on one head (exact fallback)
 cp.FORCE_SEGMENT_CHUNKS = 1
 with torch.no_grad():
     g0 = g.detach().clone()
     g0[..., 1] = 0.0
     o_cp, ht_cp = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g0, beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+# and the CP backward (recompute with CP, then the dh chain's reverse warm-ups, transitions and combine)
+g0 = g0.requires_grad_(True)
+o_cp2, ht_cp2 = flash_qla.chunk_gated_delta_rule(q, k, v, g0, beta, initial_state=h0, output_final_state=True,
+                                                 cu_seqlens=cu)
+grads_cp = torch.autograd.grad([o_cp2, ht_cp2], [q, k, v, g0, beta, h0],
+                               [torch.randn_like(o_cp2), torch.randn_like(ht_cp2)])
 cp.FORCE_SEGMENT_CHUNKS = None
 torch.cuda.synchronize()
-print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()))
+print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
+      [float(d.float().abs().sum()) for d in grads_cp])
 print("sanitize case ok", float(o.detach().float().abs().sum()), float(ht.detach().abs().sum()),
       [float(d.float().abs().sum()) for d in grads])
