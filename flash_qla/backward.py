@@ -91,9 +91,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool
     bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
     ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
-        first = dh0.index_select(0, seg.base[:N].clamp(max=seg.count - 1))
-        through = dht_c if dht_c is not None else torch.zeros_like(first)
-        dh0 = torch.where((seg.last < 0)[:, None, None, None], through, first)
+        dh0 = ops.per_sequence(dh0, seg.base[:N], seg, dht_c)
     return dv, x, dhs, dh0
 
 

@@ -321,10 +321,16 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
                  ht=ht_seg.data_ptr()), stream)
     if not output_final_state:
         return t["ht"]
-    h0 = t["h0"]
-    final = ht_seg.index_select(0, seg.last.clamp(min=0))
-    empty = (seg.last < 0)[:, None, None, None]  # a zero-length sequence keeps its initial state
-    return torch.where(empty, h0 if h0 is not None else torch.zeros_like(final), final)
+    return per_sequence(ht_seg, seg.last, seg, t["h0"])  # a zero-length sequence keeps its initial state
+
+
+def per_sequence(states: torch.Tensor, segment: torch.Tensor, seg: "cp.Segments",
+                 boundary: Optional[torch.Tensor]) -> torch.Tensor:
+    """[S, ...] per-segment states -> [N, ...]: sequence n's is states[segment[n]] (its last segment's final state,
+    its first segment's dh0); a sequence with no segment (zero length) passes boundary (h0 / dht, or 0) through."""
+    picked = states.index_select(0, segment.clamp(0, seg.count - 1))
+    through = boundary if boundary is not None else torch.zeros_like(picked)
+    return torch.where((seg.last < 0)[:, None, None, None], through, picked)
 
 
 def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:

@@ -25,6 +25,28 @@ THREADS = 1024
 GROUP = 8  # warm-up chunks fetched together
 
 
+@T.macro
+def decay_walk(gam_t, bkk_max, h, first, step, count, decay_bound, tot, big, walk, w):
+    """Walk count[0] chunk slots first, first + step, ... (step = -1: latest first, +1: earliest first) of head h:
+    walk[0] = their g summed in that order, walk[1] = their largest beta |k|^2 (-1 for none), w[0] = the fewest
+    chunks whose sum is <= decay_bound (0: never). The loads go out GROUP at a time (one after another they cost
+    a DRAM latency per chunk: 0.038 ms at L = 32 on the H200)."""
+    walk[0] = 0.0
+    walk[1] = -1.0
+    w[0] = 0
+    for t0 in T.serial(T.ceildiv(count[0], GROUP)):
+        for u in T.unroll(GROUP):
+            tot[u] = T.if_then_else(t0 * GROUP + u < count[0],
+                                    gam_t[h, (first + step * (t0 * GROUP + u)) * C + C - 1], 0.0)
+            big[u] = T.if_then_else(t0 * GROUP + u < count[0], bkk_max[h, first + step * (t0 * GROUP + u)], -1.0)
+        for u in T.unroll(GROUP):
+            if t0 * GROUP + u < count[0]:
+                walk[0] += tot[u]
+                if w[0] == 0 and walk[0] <= decay_bound:
+                    w[0] = t0 * GROUP + u + 1
+                walk[1] = T.max(walk[1], big[u])
+
+
 def build(tile: int):
     N = T.dynamic("N")
     S = T.dynamic("S")    # segment slots (an upper bound of the segment count)
@@ -55,10 +77,9 @@ def build(tile: int):
             carry = T.alloc_shared((1,), "int32")
             seq = T.alloc_local((2,), "int32")  # last_at_most's bounds; seq[0]: the segment's sequence
             total = T.alloc_var("int32")
-            acc = T.alloc_var("float32")
-            worst = T.alloc_var("float32")
-            w = T.alloc_var("int32")
-            n_next = T.alloc_var("int32")
+            walk = T.alloc_local((2,), "float32")  # decay_walk's summed g and largest beta |k|^2
+            w = T.alloc_local((1,), "int32")        # its warm-up length (0: the bound never reached)
+            count = T.alloc_local((1,), "int32")    # chunks to walk
             tot = T.alloc_local((GROUP,), "float32")
             big = T.alloc_local((GROUP,), "float32")
             tid = T.get_thread_binding()
@@ -100,57 +121,28 @@ def build(tile: int):
                         start[i, h] = scu
                         fallback[i, h] = 0
                     else:  # the previous segment's chunks are slots sslot - L .. sslot - 1
-                        acc = 0.0
-                        worst = -1.0
-                        w = 0
-                        # the walk's loads go out GROUP at a time (one after another they cost a DRAM latency
-                        # per chunk: 0.038 ms at L = 32 on the H200)
-                        for t0 in T.serial(T.ceildiv(L, GROUP)):
-                            for u in T.unroll(GROUP):
-                                tot[u] = T.if_then_else(t0 * GROUP + u < L,
-                                                        gam_t[h, (sslot - 1 - t0 * GROUP - u) * C + C - 1], 0.0)
-                                big[u] = T.if_then_else(t0 * GROUP + u < L, bkk_max[h, sslot - 1 - t0 * GROUP - u],
-                                                        -1.0)
-                            for u in T.unroll(GROUP):
-                                if t0 * GROUP + u < L:
-                                    acc += tot[u]
-                                    if w == 0 and acc <= decay_bound:
-                                        w = t0 * GROUP + u + 1
-                                    worst = T.max(worst, big[u])
-                        if w == 0 or worst > 2.0:
+                        count[0] = L
+                        decay_walk(gam_t, bkk_max, h, sslot - 1, -1, count, decay_bound, tot, big, walk, w)
+                        if w[0] == 0 or walk[1] > 2.0:
                             start[i, h] = scu - L * C
                             fallback[i, h] = 1
                         else:
-                            start[i, h] = scu - w * C
+                            start[i, h] = scu - w[0] * C
                             fallback[i, h] = 0
                     if bidi != 0:  # the next segment of the sequence: its first chunks, earliest first
                         seq_end = cu_seqlens[seq[0] + 1]
-                        n_next = 0
+                        count[0] = 0
                         if valid and scu + L * C < seq_end:
-                            n_next = T.min(T.ceildiv(seq_end - scu - L * C, C), L)
-                        acc = 0.0
-                        worst = -1.0
-                        w = 0
-                        for t0 in T.serial(T.ceildiv(n_next, GROUP)):
-                            for u in T.unroll(GROUP):
-                                tot[u] = T.if_then_else(t0 * GROUP + u < n_next,
-                                                        gam_t[h, (sslot + L + t0 * GROUP + u) * C + C - 1], 0.0)
-                                big[u] = T.if_then_else(t0 * GROUP + u < n_next,
-                                                        bkk_max[h, sslot + L + t0 * GROUP + u], -1.0)
-                            for u in T.unroll(GROUP):
-                                if t0 * GROUP + u < n_next:
-                                    acc += tot[u]
-                                    if w == 0 and acc <= decay_bound:
-                                        w = t0 * GROUP + u + 1
-                                    worst = T.max(worst, big[u])
-                        if n_next == 0:  # the sequence's last segment, or padding: an empty range
+                            count[0] = T.min(T.ceildiv(seq_end - scu - L * C, C), L)
+                        decay_walk(gam_t, bkk_max, h, sslot + L, 1, count, decay_bound, tot, big, walk, w)
+                        if count[0] == 0:  # the sequence's last segment, or padding: an empty range
                             rend[i, h] = T.if_then_else(valid, T.min(scu + L * C, seq_end), tokens)
                             rfallback[i, h] = 0
-                        elif w == 0 or worst > 2.0:
+                        elif w[0] == 0 or walk[1] > 2.0:
                             rend[i, h] = T.min(scu + 2 * L * C, seq_end)
                             rfallback[i, h] = 1
                         else:
-                            rend[i, h] = T.min(scu + (L + w) * C, seq_end)
+                            rend[i, h] = T.min(scu + (L + w[0]) * C, seq_end)
                             rfallback[i, h] = 0
             if tid == 0:
                 seg_cu[S] = tokens
