@@ -86,6 +86,15 @@ def nvcc_cubin(source: str, fast_math: bool = True) -> tuple[bytes, str]:
             return f.read(), proc.stdout + proc.stderr
 
 
+def wgmma_serialization(log: str) -> str:
+    """ptxas's advisory (C7510-C7520) when it serialises wgmma.mma_async (an accumulator read while a later wgmma
+    runs, a wait in a divergent path, too few registers): the kernel still runs, correct and about 2x slower.
+    Empty when the log has none."""
+    found = [line.split("Potential Performance Loss:")[-1].strip() for line in log.splitlines()
+             if "wgmma.mma_async instructions are serialized" in line]
+    return "; ".join(found)
+
+
 def _ptxas_stats(log: str) -> tuple[int, int]:
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores", log)
@@ -158,5 +167,8 @@ def compile_kernel(prim_func, pass_configs=None) -> CompiledKernel:
     meta = launch_metadata(artifact)
     cubin, log = nvcc_cubin(artifact.kernel_source)
     regs, spills = _ptxas_stats(log)
+    serialized = wgmma_serialization(log)
+    if serialized:  # a silent 2x: every wgmma waits for the previous one (measured on gdn_fwd_st drafts)
+        raise RuntimeError(f"{meta['symbol']}: ptxas serialised the asynchronous wgmmas: {serialized}")
     return CompiledKernel(cubin=cubin, registers=regs, spills=spills,
                           compile_seconds=time.perf_counter() - start, source=artifact.kernel_source, **meta)

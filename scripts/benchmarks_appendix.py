@@ -80,14 +80,25 @@ This session (backward, H200 graph medians; `bench/results/experiments/bwd_*`):
   V-block products back to back with one wait changed nothing measurable: the kernel is bound by its barriers and
   reductions (ncu: 30% of stall samples at barriers, 19% short scoreboard), not by the tensor cores (12% busy).
 
+Forward, session of 2026-11-22 (H200; `bench/results/experiments/fwd_st_ordered_issue_h200.txt`):
+- gdn_fwd_st at BV = 128: each consumer warpgroup stages and stores its own O columns behind one 128-thread named
+  barrier (double-buffered staging; TileLang's pass had put three 256-thread barriers per chunk that held both
+  warpgroups in lockstep), and the two warpgroups issue their products in turn, with (Q S)^T behind Agb W: 1-8% on
+  the BV = 128 rows in an A/B run (TP8 1x32768 at BV = 128 1.229 -> 1.137 ms, TP1 4096x8 1.120 -> 1.087), BV = 64
+  unchanged. The benchmark moved 0-3% on most rows; TP1-397B 4096x8 read 1.19 ms graph / 1.16 eager this run
+  (1.12 last run): within that row's run-to-run spread, not a measured regression.
+- Tried and rejected: P built inside gdn_fwd_st from the q / k tiles (the ncu profile shows the kernel near
+  memory-bound on batched rows, P ~29% of its bytes). Correct, but 1.2-2.6x slower; one draft had ptxas serialise
+  every wgmma (an advisory nvcc -w hides): aot/compile.py now fails the build on it (all 124 variants build clean).
+
 What remains: the 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
 0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.91-0.92x); against FlashInfer on the full-GPU rows
 (0.71-0.76x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
 on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
 into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).
 
-Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.308 ms (1.28x FlashQLA), 28672+4096 0.300, 16384+16384
-0.277, 1x8192 0.145; TP2 1x32768 0.818 (1.54x); 2B-TP1 1x32768 0.530, 28672+4096 0.522. The planner's constants and
+Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.304 ms (1.30x FlashQLA), 28672+4096 0.297, 16384+16384
+0.273, 1x8192 0.143; TP2 1x32768 0.810 (1.55x); 2B-TP1 1x32768 0.529, 28672+4096 0.521. The planner's constants and
 the measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
 
 Backward (0.67x FlashQLA geomean): the design is three passes over memory where FlashQLA fuses the dh recurrence into

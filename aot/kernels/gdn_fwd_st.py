@@ -30,6 +30,12 @@ VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV"
 # the CP pre-pass builds: one V block (64: they are never the only work on the GPU); trans needs V = K
 VARIANT_RULE = "BV <= V and (mode == 'out' or BV == 64) and (mode != 'trans' or V == K)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# The O staging's barriers are written out below, one named barrier per consumer warpgroup: TileLang's pass put
+# three 256-thread barriers around it each chunk, holding both warpgroups in lockstep (ncu: barrier stalls)
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+OUT_ROWS_PER_PASS = 16   # a warpgroup stores its 64 O columns (128 bytes a row) as 8 threads x 16 bytes per row
+OUT_BARRIER = 8          # named barrier ids 8, 9 (0 is __syncthreads)
+TURN_BARRIER = 10        # 10: warpgroup 0 has issued its product, 11: warpgroup 1 has
 
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
@@ -45,6 +51,22 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
     TC = T.dynamic("TC")
+
+    @T.macro
+    def take_turn(wg, first):
+        """Two consumer warpgroups issue their products in turn (warpgroup 0 first), so that one's products queue on
+        the tensor cores behind the other's and its element-wise steps overlap them (1-8% on the BV = 128 rows,
+        H200, bench/results/experiments/fwd_st_ordered_issue_h200.txt)."""
+        if BV == 128:
+            if wg == 1:
+                T.sync_threads(TURN_BARRIER, 256)
+            elif not first:
+                T.sync_threads(TURN_BARRIER + 1, 256)
+
+    @T.macro
+    def pass_turn(wg):
+        if BV == 128:
+            T.named_barrier_arrive(TURN_BARRIER + wg, 256)
 
     @T.prim_func
     def gdn_fwd_st(
@@ -79,7 +101,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             et_s = T.alloc_shared((C,), "float32")
             # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes, so the
             # four token rows one store instruction touches land in different banks (4-way conflicts without)
-            o_s = T.alloc_shared((C, BV + 8), dt)
+            o_s = T.alloc_shared((2, C, BV + 8), dt)  # double-buffered: one warpgroup barrier per chunk
             # v is read down its columns (2-byte loads into W^T's accumulator layout): the 128-byte swizzle puts the
             # four token rows of one load instruction in different banks
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
@@ -133,10 +155,14 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 valid = T.min(eos - t0, C)
                 T.copy(st, st_b)
                 if output:
-                    # (K S)^T is on the chain; (Q S)^T, needed only for O, stays in flight behind it
+                    ct = T.get_thread_binding()  # consumer threads count from 0 here (warp specialisation remaps)
+                    wg = ct // 128
+                    # (K S)^T is the chain's; (Q S)^T, needed only for O, is issued behind Agb W so that it delays
+                    # neither chain product
+                    take_turn(wg, c == 0)
                     T.wgmma_gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
+                    pass_turn(wg)
+                    T.wait_wgmma(0)
                     # no use of (K S)^T may move above the wait (a consumer thread holds 32 of its registers)
                     T.warpgroup_fence_operand(kst, num_regs=C // 2)
                 else:
@@ -147,21 +173,32 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 else:
                     for d, i in T.Parallel(BV, C):
                         wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
-                T.gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 if output:
+                    take_turn(wg, False)
+                    T.wgmma_gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(vnt, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
                         vnt_b[d, i] = T.cast(vnt[d, i], dt)
                         vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
-                        qst[d, i] = qst[d, i] * (eg_s[i] * scale)
                 else:
+                    T.gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     for d, i in T.Parallel(BV, C):
                         vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = st[d, kk] * eg_s[valid - 1]
                 if output:
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        qst[d, i] = qst[d, i] * (eg_s[i] * scale)
                     # the state update and O's intra-chunk product issued back to back, one wait
+                    take_turn(wg, False)
                     T.wgmma_gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(st, num_regs=K // 2)  # nor of the state (K / 2 per thread)
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)  # or of O^T above this one
@@ -169,14 +206,24 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     # tiles, unaware that the products above are asynchronous: this never-taken read names q, k
                     # and P after the wait, so the producer cannot refill them while a product still reads them
                     if valid < 0:
-                        o_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
+                        o_s[0, 0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
+                    # Each consumer warpgroup stages and stores its own 64 columns of O (its rows of O^T): with two
+                    # buffers, the barrier after this chunk's staging also orders the previous chunk's reads of
+                    # the other buffer before the next chunk's writes to it
                     for d, i in T.Parallel(BV, C):
-                        o_s[i, d] = T.cast(qst[d, i], dt)
-                    for i, d in T.Parallel(C, BV):
-                        if i < valid:
-                            o[t0 + i, h, v0 + d] = o_s[i, d]
+                        o_s[c % 2, i, d] = T.cast(qst[d, i], dt)
+                    T.sync_threads(OUT_BARRIER + wg, 128)
+                    col = wg * 64 + ct % 8 * 8
+                    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                        row = ps * OUT_ROWS_PER_PASS + ct % 128 // 8
+                        if row < valid:
+                            for u in T.vectorized(8):
+                                o[t0 + row, h, v0 + col + u] = o_s[c % 2, row, col + u]
                 else:
                     T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
+            if output and BV == 128:  # warpgroup 1's last arrival, so that the barrier ends drained
+                if T.get_thread_binding() < 128 and T.ceildiv(eos - bos, C) > 0:
+                    T.sync_threads(TURN_BARRIER + 1, 256)
             if store_ht != 0 or cp:
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk, v0 + d] = st[d, kk]
