@@ -68,6 +68,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
         if BV == 128:
             T.named_barrier_arrive(TURN_BARRIER + wg, 256)
 
+    @T.macro
+    def drain_turns(wg, chunks):
+        """Warpgroup 0 takes warpgroup 1's last turn, so that the barrier ends drained."""
+        if BV == 128:
+            if wg == 0 and chunks > 0:
+                T.sync_threads(TURN_BARRIER + 1, 256)
+
     @T.prim_func
     def gdn_fwd_st(
         q: T.Tensor((NT, Hq, K), dt),
@@ -132,6 +139,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
+            ct = T.get_thread_binding()  # in the consumer code, consumer threads count from 0 (warp specialisation)
+            wg = ct // 128
             if trans:  # S = I (V = K): S^T's rows are the block's columns of the identity
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
@@ -155,10 +164,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 valid = T.min(eos - t0, C)
                 T.copy(st, st_b)
                 if output:
-                    ct = T.get_thread_binding()  # consumer threads count from 0 here (warp specialisation remaps)
-                    wg = ct // 128
-                    # (K S)^T is the chain's; (Q S)^T, needed only for O, is issued behind Agb W so that it delays
-                    # neither chain product
+                    # (K S)^T is the chain's; (Q S)^T, needed only for O, is issued behind Agb W (it no longer delays
+                    # Agb W; the state update, issued after it, still waits for it)
                     take_turn(wg, c == 0)
                     T.wgmma_gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     pass_turn(wg)
@@ -221,9 +228,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                                 o[t0 + row, h, v0 + col + u] = o_s[c % 2, row, col + u]
                 else:
                     T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
-            if output and BV == 128:  # warpgroup 1's last arrival, so that the barrier ends drained
-                if T.get_thread_binding() < 128 and T.ceildiv(eos - bos, C) > 0:
-                    T.sync_threads(TURN_BARRIER + 1, 256)
+            if output:
+                drain_turns(wg, T.ceildiv(eos - bos, C))
             if store_ht != 0 or cp:
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk, v0 + d] = st[d, kk]
