@@ -7,8 +7,9 @@
    segments, from gradients a reverse warm-up pre-pass and a reverse combine give them.
 3. gdn_bwd_chunk turns those into dq, dk, dbeta, dg per (chunk, v-head), fused (the math is
    flash_qla.chunk_grads', whose batched-torch form `_chunk_parallel` is the CPU-tested specification);
-   one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass), and l2norm
-   (when asked) is differentiated by autograd.
+   one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass). With
+   use_qk_l2norm_in_kernel the recompute's gdn_prepare normalises q / k (as in the forward) and gdn_bwd_chunk's
+   epilogue differentiates the normalisation from the raw rows: no torch pass, no autograd.
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from . import ops
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
-from .reference import l2norm
 from .validation import Problem
 
 DH_KERNEL = "gdn_bwd_dh"
@@ -31,24 +31,16 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht).
     dg is with respect to the raw g; dh0 is None without an initial state."""
     dt = q.dtype
-    if use_qk_l2norm:
-        q_in, k_in = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-        with torch.enable_grad():
-            qn, kn = l2norm(q_in.float()), l2norm(k_in.float())
-        q_run, k_run = qn.detach().to(dt), kn.detach().to(dt)
-    else:
-        q_run, k_run = q, k
     saved: dict = {}
     with torch.no_grad():
-        ops.forward(problem, q_run, k_run, v, g, beta, initial_state, False, cu_seqlens, False,
+        ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
                     want_gate_free_inverse=True, saved=saved)
         do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht, initial_state is not None)
-        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs)
+        raw = (ops._dense(q), ops._dense(k)) if use_qk_l2norm else None
+        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
     shape = (problem.batch, problem.tokens)
     dq, dk = dq.unflatten(0, shape), dk.unflatten(0, shape)
-    if use_qk_l2norm:
-        dq, dk = torch.autograd.grad((qn, kn), (q_in, k_in), (dq, dk))
     return (dq.to(q.dtype), dk.to(k.dtype), dv.unflatten(0, shape).to(v.dtype), dg.unflatten(0, shape).to(g.dtype),
             dbeta.unflatten(0, shape).to(beta.dtype),
             dh0.to(initial_state.dtype) if initial_state is not None else None)
@@ -95,22 +87,27 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool
     return dv, x, dhs, dh0
 
 
-def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs):
-    """gdn_bwd_chunk: one CTA per (chunk slot, q/k head); dq / dk come out summed over the GVA group."""
+def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
+    """gdn_bwd_chunk: one CTA per (chunk slot, q/k head); dq / dk come out summed over the GVA group. raw: the
+    un-normalised (q, k) under use_qk_l2norm_in_kernel (saved q / k are then the normalised rows), and dq / dk
+    come out with respect to them."""
     dev = do_p.device
     T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
     dt = saved["q"].dtype
     # separate allocations: outputs that share a storage cannot be returned by a torch custom op (torch_ops)
     dq, dk = (ops._empty(T, Hq, K, device=dev, dtype=dt) for _ in range(2))
     dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
-    ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev, saved["sizes"],
+    q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
+    ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
+                dict(saved["sizes"], l2norm=int(raw is not None)),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
                  "vnew": saved["vnew"].data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
                  "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "cu_seqlens": saved["cu"].data_ptr(),
                  "chunk_offsets": saved["offsets"].data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(),
-                 "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr()})
+                 "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
+                 "k_raw": k_raw.data_ptr()})
     return dq, dk, dbeta, dg
 
 

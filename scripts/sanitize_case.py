@@ -33,7 +33,12 @@ o_cp2, ht_cp2 = flash_qla.chunk_gated_delta_rule(q, k, v, g0, beta, initial_stat
 grads_cp = torch.autograd.grad([o_cp2, ht_cp2], [q, k, v, g0, beta, h0],
                                [torch.randn_like(o_cp2), torch.randn_like(ht_cp2)])
 cp.FORCE_SEGMENT_CHUNKS = None
+# use_qk_l2norm_in_kernel forward and backward (gdn_prepare's normalisation, gdn_bwd_chunk's l2norm epilogue)
+o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                             cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
 torch.cuda.synchronize()
+print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
 print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])
 print("sanitize case ok", float(o.detach().float().abs().sum()), float(ht.detach().abs().sum()),

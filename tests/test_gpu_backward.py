@@ -116,6 +116,28 @@ def test_backward_l2norm_dense_batch_and_scale():
     check(dict(zip(NAMES, got)), dict(zip(NAMES, want)), TOL, "l2norm dense")
 
 
+def chunk_variants():
+    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants("gdn_bwd_chunk")})
+
+
+@pytest.mark.parametrize("variant", chunk_variants())
+def test_fused_l2norm_backward_on_unnormalised_rows(variant):
+    """use_qk_l2norm_in_kernel's backward, fused into gdn_bwd_chunk's epilogue: q / k rows with norms spread over
+    ~0.02-20 (the normalisation's gradient scales as 1 / |x|), a GVA group of 3 summed before the l2norm backward,
+    1-token and partial chunks, dht: every gradient against autograd through the fp64 reference."""
+    tag, K, V = variant
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    x = draw(LENGTHS["mixed"], 2, 6, K, V, dtype, seed=K + V + 41)
+    gen = torch.Generator(device="cuda").manual_seed(K + V)
+    for n in ("q", "k"):
+        norms = torch.exp(torch.empty(x[n].shape[:-1] + (1,), device="cuda").uniform_(-4, 3, generator=gen))
+        x[n] = (x[n].float() * norms).to(dtype)
+    do, dht = cotangents(x, seed=K)
+    got = grads(x, do, dht, use_qk_l2norm_in_kernel=True)
+    want = grads(x, do, dht, fp64=True, use_qk_l2norm_in_kernel=True)
+    check(got, want, TOL, f"l2norm backward {variant}")
+
+
 @pytest.mark.parametrize("segment_chunks", [None, 3])  # planned (no CP here), CP forced in both directions
 def test_backward_hundred_repeats_bit_identical(segment_chunks, monkeypatch):
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)

@@ -13,6 +13,9 @@ Rows past the sequence end hold the next sequence's (finite) rows: every C x C t
 valid causal pairs and row outputs are stored for valid rows only. One CTA per (chunk, q/k head) walks the
 GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
 extra pass over memory and is deterministic.
+use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2 (what
+gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy - r^3 x (x . dy) from the raw rows
+(one warp per row, fp32, before the single rounding to the input dtype): no separate pass, no autograd.
 """
 import tilelang.language as T
 
@@ -23,6 +26,8 @@ BV = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
+WARPS = THREADS // 32
+L2NORM_EPS = 1e-6  # flash_qla/reference.py L2NORM_EPS (as gdn_prepare's)
 LOG2E = 1.4426950408889634
 
 
@@ -44,6 +49,37 @@ def build(dtype: str, K: int, V: int):
         T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s, barrier=loaded[0])
         T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
         T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
+
+    E = K // 32  # a warp's lanes cover a row of K: E consecutive elements each
+
+    @T.macro
+    def store_rows(grad_s, raw, out, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red):
+        """out's valid rows from the fp32 sums in grad_s; with l2norm, through the l2norm backward: grad_s holds
+        dL/dy for y = x r (the normalised row the products used), out gets dL/dx = r dy - r^3 x (x . dy), with x the
+        raw row and r = (|x|^2 + eps)^-1/2 recomputed in fp32 (one warp per row; the row is warp-uniform, so the
+        shuffles see every lane)."""
+        for it in T.serial(C // WARPS):
+            row = it * WARPS + warp
+            if row < valid:
+                for u in T.vectorized(E):
+                    gv[u] = grad_s[row, lane * E + u]
+                if l2norm != 0:
+                    for u in T.vectorized(E):
+                        xr[u] = raw[t0 + row, hk, lane * E + u]
+                    red[0] = 0.0  # |x|^2, then r
+                    red[1] = 0.0  # x . dy, then r^3 (x . dy)
+                    for u in T.unroll(E):
+                        red[0] += T.cast(xr[u], "float32") * T.cast(xr[u], "float32")
+                        red[1] += T.cast(xr[u], "float32") * gv[u]
+                    red[0] = T.rsqrt(T.warp_reduce_sum(red[0]) + L2NORM_EPS)
+                    red[1] = T.warp_reduce_sum(red[1]) * red[0] * red[0] * red[0]
+                    for u in T.unroll(E):
+                        ov[u] = T.cast(gv[u] * red[0] - T.cast(xr[u], "float32") * red[1], dt)
+                else:
+                    for u in T.unroll(E):
+                        ov[u] = T.cast(gv[u], dt)
+                for u in T.vectorized(E):
+                    out[t0 + row, hk, lane * E + u] = ov[u]
 
     def fold_product(a, b, i, j):
         """sum over kk = i (mod C) of a[kk, j] * b[kk, j], in fp32 (K is a multiple of C)."""
@@ -72,7 +108,10 @@ def build(dtype: str, K: int, V: int):
         dk: T.Tensor((NT, Hq, K), dt),
         dbeta: T.Tensor((NT, Hv), "float32"),
         dg: T.Tensor((NT, Hv), "float32"),
+        q_raw: T.Tensor((NT, Hq, K), dt),
+        k_raw: T.Tensor((NT, Hq, K), dt),
         scale: T.float32,
+        l2norm: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, C) + N, Hq, threads=THREADS) as (bc, hk):
             q_s = T.alloc_shared((C, K), dt)
@@ -118,6 +157,10 @@ def build(dtype: str, K: int, V: int):
             eos = T.alloc_var("int32")
             valid = T.alloc_var("int32")
             phase = T.alloc_var("int32")
+            xr = T.alloc_local((E,), dt)
+            gv = T.alloc_local((E,), "float32")
+            ov = T.alloc_local((E,), dt)
+            red = T.alloc_local((2,), "float32")
             loaded = T.alloc_barrier(THREADS)
 
             seq[1] = N
@@ -289,9 +332,10 @@ def build(dtype: str, K: int, V: int):
                     for i, d in T.Parallel(C, K):
                         dqa_s[i, d] = dqf[i, d]
                         dka_s[i, d] = dkf[i, d]
-                for i, d in T.Parallel(C, K):
-                    if i < valid:
-                        dq[t0 + i, hk, d] = T.cast(dqa_s[i, d], dt)
-                        dk[t0 + i, hk, d] = T.cast(dka_s[i, d], dt)
+                T.sync_threads()  # every thread's last sums in dqa_s / dka_s before rows are read across threads
+                warp = T.get_thread_binding() // 32
+                lane = T.get_thread_binding() % 32
+                store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
 
     return gdn_bwd_chunk
