@@ -3,6 +3,7 @@
 Uses torch.profiler over repeated calls and reports each kernel's mean time per call, so the split of a
 row's time between kernels is visible (which kernel to work on, and against which peer kernel).
 usage: python scripts/kernel_split.py {ours|qla|fla} PEERS_DIR ROW [ROW ...]   (ROW like "TP1-397B:4096x8";
+PEERS_DIR "-" times ours on kernel_experiment's inputs without a staged peers directory;
 "TP8:1x8192@8" forces our intra-card CP with 8-chunk segments, which eager calls otherwise never plan)
 """
 import json
@@ -38,10 +39,23 @@ def split(fn, iters=10):
     return out
 
 
+def _own_inputs(lengths, hq, hv, dim):
+    """The standard matrix's inputs (scripts/kernel_experiment.py), in the peers' dict form."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from kernel_experiment import inputs
+    q, k, v, g, beta, cu, h0 = inputs(hq, hv, lengths)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, h0=h0, scale=dim ** -0.5, do=torch.randn_like(v),
+                dht=torch.randn_like(h0) / 8)
+
+
 def main():
     lib, peers_dir, rows = sys.argv[1], sys.argv[2], sys.argv[3:]
-    sys.path.insert(0, peers_dir)
-    import peer_bench  # the peers' input maker and call wrappers (same inputs as the standard matrix)
+    if peers_dir == "-":  # ours alone, without a staged peers directory: kernel_experiment's inputs
+        make = _own_inputs
+    else:
+        sys.path.insert(0, peers_dir)
+        import peer_bench  # the peers' input maker and call wrappers (same inputs as the standard matrix)
+        make = peer_bench.make
     if lib == "ours":
         import flash_qla
         from flash_qla import chunk_gated_delta_rule as ours
@@ -70,7 +84,7 @@ def main():
             cp.FORCE_SEGMENT_CHUNKS = int(segment) if segment else None
         model, seqs = row.split(":")
         hq, hv = MODELS[model]
-        d = peer_bench.make(SEQS[seqs], hq, hv, 128)
+        d = make(SEQS[seqs], hq, hv, 128)
         rec = {"lib": lib, "row": row + (f"@{segment}" if segment else ""), "fwd": split(lambda: fwd(d))}
         rec["fwd_total_ms"] = round(sum(v for n, v in rec["fwd"].items() if n != "launches_per_call"), 4)
         if model.startswith("hk"):
