@@ -91,8 +91,19 @@ Forward, session of 2026-11-22 (H200; `bench/results/experiments/fwd_st_ordered_
   memory-bound on batched rows, P ~29% of its bytes). Correct, but 1.2-2.6x slower; one draft had ptxas serialise
   every wgmma (an advisory nvcc -w hides): aot/compile.py now fails the build on it (all 124 variants build clean).
 
+Session of 2026-11-22 (third; H200):
+- `use_qk_l2norm_in_kernel` backward fused: the recompute's gdn_prepare normalises q / k (as the forward does) and
+  gdn_bwd_chunk's epilogue turns the GVA group's summed dy into dx = r dy - r^3 x (x . dy) from the raw rows (one warp
+  per row, fp32), replacing a torch normalisation plus autograd. Backward with l2norm (eager medians,
+  `bench/results/l2norm_backward_cost_h200.jsonl`): hk16_hv32 8k_1seq 1.45 ms vs 2.49 ms for the former path (plain
+  1.24), 32k_1seq 5.40 vs 9.24, hk4_hv8 8k_8seq 0.63 vs 1.38; dq / dk agree with the former path to 3-4e-3.
+- Tried and rejected: gdn_prepare with two chunks per CTA, the next chunk's tiles / lookup / g / beta loaded behind
+  the current chunk's solve (the prologue held ~30% of its stall samples). 26-36% slower at 2 CTAs / SM, 50-160%
+  slower with P stored from the accumulator to fit 3: the other CTAs on the SM were already hiding the prologue, and
+  the solve's barrier chain needs the occupancy (`bench/results/experiments/prepare_two_chunks_per_cta_h200.md`).
+
 What remains: the 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
-0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.91-0.92x); against FlashInfer on the full-GPU rows
+0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.90-0.92x); against FlashInfer on the full-GPU rows
 (0.71-0.76x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
 on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
 into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).
