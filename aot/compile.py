@@ -87,8 +87,9 @@ def nvcc_cubin(source: str, fast_math: bool = True) -> tuple[bytes, str]:
 
 
 def wgmma_serialization(log: str) -> str:
-    """ptxas's advisory (C7510-C7520) when it serialises wgmma.mma_async (an accumulator read while a later wgmma
-    runs, a wait in a divergent path, too few registers): the kernel still runs, correct and about 2x slower.
+    """ptxas's advisory (seen as C7512, C7514 and C7518) when it serialises wgmma.mma_async (an accumulator read
+    while a later wgmma runs, a wait in a divergent path, too few registers): the kernel still runs, correct and
+    about 2x slower.
     Empty when the log has none."""
     found = [line.split("Potential Performance Loss:")[-1].strip() for line in log.splitlines()
              if "wgmma.mma_async instructions are serialized" in line]

@@ -1,6 +1,10 @@
 """TileLang helpers shared by several kernels (build_matrix hashes this file into every kernel that imports it)."""
 import tilelang.language as T
 
+# use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) (gdn_prepare) and its backward (gdn_bwd_chunk);
+# flash_qla/reference.py L2NORM_EPS, FLA's and FlashQLA's
+L2NORM_EPS = 1e-6
+
 
 @T.macro
 def last_at_most(table, x, found):

@@ -19,7 +19,7 @@ gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy
 """
 import tilelang.language as T
 
-from .common import last_at_most
+from .common import L2NORM_EPS, last_at_most
 
 C = 64
 BV = 64
@@ -27,7 +27,6 @@ VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 WARPS = THREADS // 32
-L2NORM_EPS = 1e-6  # flash_qla/reference.py L2NORM_EPS (as gdn_prepare's)
 LOG2E = 1.4426950408889634
 
 

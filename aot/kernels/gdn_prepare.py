@@ -22,7 +22,7 @@ the tensor cores (mma m16n8k8 in 3xTF32, about fp32 accuracy): 4 products deep w
 """
 import tilelang.language as T
 
-from .common import last_at_most
+from .common import L2NORM_EPS, last_at_most
 
 C = 64
 B = 16            # diagonal block of the blocked inverse
@@ -44,7 +44,6 @@ PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True,
 H = C // 2        # a warp's lanes: bkk_max reduces the 64 rows as two per lane of warp 0
 ROWS_PER_PASS = THREADS // 8   # output stores: 8 threads cover a row (8 columns, 16 bytes each)
 LOG2E = 1.4426950408889634
-L2NORM_EPS = 1e-6  # flash_qla/reference.py L2NORM_EPS (FLA's and FlashQLA's)
 
 
 def build(dtype: str, K: int):
