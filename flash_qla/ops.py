@@ -25,6 +25,11 @@ from .validation import Problem, validate_kernel_inputs
 CHUNK = 64
 FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
 OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
+FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no saved intermediates, no l2norm)
+# Opt-in (FLASH_QLA_FUSED=1) and off by default: gdn_fwd_fused is correct on every variant but slower than
+# gdn_prepare + gdn_fwd_st on every matrix row measured (its aux warpgroup needs ~3 us a chunk where the chain
+# needs ~1.7; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
+USE_FUSED = os.environ.get("FLASH_QLA_FUSED", "0") == "1"
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
 _SMS: dict = {}
@@ -71,7 +76,7 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
 def _chain_costs(kernel: str) -> dict:
     """The per-chunk chain costs of a chain kernel by V block (flash_qla/planner.py): gdn_fwd_st keeps the state
     in registers, gdn_fwd's save build and gdn_bwd_dh stage it through shared memory."""
-    return OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
+    return OUT_CHAIN_COST if kernel in (OUT_KERNEL, FUSED_KERNEL) else STAGED_CHAIN_COST
 
 
 def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
@@ -95,15 +100,19 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> torch.Tensor:
+    """cu_seqlens as int32 on the device (a dense batch's made up)."""
+    if cu_seqlens is None:
+        T = problem.tokens
+        return (torch.arange(0, (problem.batch + 1) * T, T, device=device, dtype=torch.int32) if T > 0 else
+                torch.zeros(problem.batch + 1, device=device, dtype=torch.int32))
+    return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+
+
 def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
              stream=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens int32, chunk_offsets int32) on the device: one small scan kernel, no host synchronisation."""
-    if cu_seqlens is None:
-        T = problem.tokens
-        cu = (torch.arange(0, (problem.batch + 1) * T, T, device=device, dtype=torch.int32) if T > 0 else
-              torch.zeros(problem.batch + 1, device=device, dtype=torch.int32))
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    cu = _cu_seqlens(problem, cu_seqlens, device)
     offsets = torch.empty_like(cu)
     _launch("gdn_plan", {"tile": 1024}, device, {"N": problem.num_seqs},
             {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr()}, stream)
@@ -159,6 +168,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # packed views are made only where tensors are kept (the backward's saved dict); views cost ~2 us each
     qp, kp, vp, gp, bp = (_dense(x) for x in (q, k, v, g, beta.float()))
     stream = current_stream(dev)
+    tag = _DTYPE_TAG[dt]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    L = _segment_chunks(problem, tag, dev, save=saved is not None)
+    if saved is None and L is None and not want_gate_free_inverse and not use_qk_l2norm and _fused_built(tag, K, V):
+        o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
+                               output_final_state, tag, stream)
+        return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
     cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
     A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
@@ -174,9 +190,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         return tiles[i * Hv * TC:i * Hv * TC + Hv * width].view(Hv, width)
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    h0 = initial_state.contiguous() if initial_state is not None else None
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
-    tag = _DTYPE_TAG[dt]
     hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(TC // CHUNK, Hv, problem.num_qk_heads, _num_sms(dev))
     # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
     # recurrence kernels then read in place of q / k
@@ -194,7 +208,6 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
-    L = _segment_chunks(problem, tag, dev, save=saved is not None)
 
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
         return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
@@ -226,6 +239,27 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
+
+
+def _fused_built(tag: str, K: int, V: int) -> bool:
+    return USE_FUSED and bool(_built_blocks(FUSED_KERNEL, None, tag, K, V))
+
+
+def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, tag: str, stream):
+    """The forward in one launch (gdn_fwd_fused): (o [T, Hv, V], final state or an empty tensor)."""
+    dev = q.device
+    T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
+                      problem.num_seqs)
+    o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
+    ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
+    variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None)}
+    _launch(FUSED_KERNEL, variant, dev,
+            {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
+             "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},
+            {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
+             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
+             "ht": ht.data_ptr()}, stream)
+    return o, ht
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -33,7 +33,8 @@ def graph_ms(fn) -> float:
 
 
 def main(families):
-    """families: output-pass kernels (gdn_fwd_st), each at every built V block for K = V = 128 bf16, CP off."""
+    """families: output-pass kernels (gdn_fwd_st after gdn_prepare, or gdn_fwd_fused alone), each at every built V
+    block for K = V = 128 bf16, CP off."""
     from flash_qla import cp, loader
     cp.FORCE_SEGMENT_CHUNKS = 0
     for name, (hq, hv, lengths) in ROWS.items():
@@ -44,7 +45,10 @@ def main(families):
             blocks = sorted({b["BV"] for b in loader.library().variants(fam)
                              if (b["dtype"], b["K"], b["V"], b.get("mode", "out")) == ("bf16", 128, 128, "out")})
             for bv in blocks:
-                ops.OUT_KERNEL, ops.FORCE_BLOCK_V = fam, bv
+                ops.USE_FUSED = fam == ops.FUSED_KERNEL
+                if not ops.USE_FUSED:
+                    ops.OUT_KERNEL = fam
+                ops.FORCE_BLOCK_V = bv
                 ms = graph_ms(lambda: ops.forward(p, q, k, v, g, beta, h0, True, cu, False))
                 out.append(f"{fam}/BV{bv} {ms:.3f}")
         print(f"{name:14s}", "  ".join(out), flush=True)

@@ -2,7 +2,7 @@
 import torch
 
 import flash_qla
-from flash_qla import cp
+from flash_qla import cp, ops
 
 torch.manual_seed(0)
 lengths = [1, 63, 64, 65, 130]
@@ -37,7 +37,14 @@ cp.FORCE_SEGMENT_CHUNKS = None
 o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
+# the opt-in fused forward (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages)
+ops.USE_FUSED = True
+with torch.no_grad():
+    o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
+                                                 initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+ops.USE_FUSED = False
 torch.cuda.synchronize()
+print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()))
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
 print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])

@@ -55,11 +55,26 @@ def poison(monkeypatch):
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)  # the plain path; tests/test_gpu_cp.py covers CP
 
 
+# the plain forward's two paths: gdn_fwd_fused alone, or gdn_prepare + gdn_fwd_st (what CP, l2norm and the
+# backward's recompute build on)
+PATHS = {"fused": True, "split": False}
+
+
+def launched_kernels(monkeypatch) -> list:
+    names = []
+    real = ops._launch
+    monkeypatch.setattr(ops, "_launch", lambda name, *a, **kw: names.append(name) or real(name, *a, **kw))
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("case", sorted(LENGTHS))
 @pytest.mark.parametrize("variant", variants())
-def test_forward_matches_fp64_reference(variant, case, monkeypatch):
+def test_forward_matches_fp64_reference(variant, case, path, monkeypatch):
     tag, K, V, BV = variant
     monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    kernels = launched_kernels(monkeypatch)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     for (hq, hv), h0 in (((2, 6), True), ((3, 3), False)):
         x = draw(LENGTHS[case], hq, hv, K, V, dtype, seed=K + V + hv + len(case), h0=h0)
@@ -69,6 +84,9 @@ def test_forward_matches_fp64_reference(variant, case, monkeypatch):
         o_ref, ht_ref = fp64_reference(x)
         assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, "o")
         assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, "final_state")
+    chain = [n for n in kernels if n in (ops.FUSED_KERNEL, ops.OUT_KERNEL)]
+    assert chain == [ops.FUSED_KERNEL if PATHS[path] else ops.OUT_KERNEL] * 2, kernels
+    assert PATHS[path] == (kernels == [ops.FUSED_KERNEL] * 2), kernels  # the fused path launches nothing else
 
 
 @pytest.mark.parametrize("tag", ["bf16", "fp16"])
@@ -125,7 +143,9 @@ def test_dense_batch_and_scale_and_l2norm():
     assert reference.relative_l2(ht, ht_ref) <= 1e-2
 
 
-def test_hundred_repeats_are_bit_identical():
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_hundred_repeats_are_bit_identical(path, monkeypatch):
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
     x = draw(LENGTHS["mixed"] + [2048], 2, 8, 128, 128, torch.bfloat16, seed=11)
     o0, ht0 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     for _ in range(100):
@@ -133,7 +153,9 @@ def test_hundred_repeats_are_bit_identical():
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-def test_cuda_graph_capture_replays_exactly():
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_cuda_graph_capture_replays_exactly(path, monkeypatch):
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
     x = draw([500, 64, 3], 2, 4, 128, 128, torch.bfloat16, seed=13)
     o_eager, ht_eager = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     graph = torch.cuda.CUDAGraph()
@@ -150,7 +172,7 @@ def test_unsupported_head_dims_are_named():
         flash_qla.chunk_gated_delta_rule(**x)
 
 
-def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum():
+def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum(monkeypatch):
     x = draw(LENGTHS["mixed"], 2, 4, 128, 128, torch.bfloat16, seed=17)
     g_cumsum, A, o, h, ht = flash_qla.chunk_gated_delta_rule_fwd(**x, output_final_state=True)
     cu = x["cu_seqlens"].cpu()
@@ -158,6 +180,10 @@ def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum():
     assert reference.relative_l2(g_cumsum, reference.chunk_local_cumsum(x["g"].double(), cu)) < 1e-6
     A_ref = reference.gate_free_inverse(x["k"].double(), x["beta"].double(), cu, num_v_heads=4)
     assert reference.relative_l2(A, A_ref) < 1e-2
+    o_fused, ht_fused = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    # the fused kernel rounds P once where gdn_prepare rounds scale * Q K^T first: close, not bit-identical
+    assert reference.relative_l2(o_fused, o) < 2e-3 and reference.relative_l2(ht_fused, ht) < 2e-3
+    monkeypatch.setattr(ops, "USE_FUSED", False)
     o2, ht2 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
 

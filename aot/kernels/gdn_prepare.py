@@ -15,18 +15,15 @@ sequence n, a device-side cumsum of ceil(len / 64)); nothing is read on the host
 Layouts: Agb, P, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
 64-slot tiles per chunk, [Hv, chunk slot * 64 + row], so the forward streams each as one TMA tile.
 
-The inverse is blocked: the four 16 x 16 diagonal blocks by forward substitution in parallel (one thread per
-column, 16 rows deep, fp32 FMA), then the blocks below the diagonal by recursive doubling, A_rc = -A_rr L_rc A_cc
-on the two 32 x 32 diagonal blocks and then the 32 x 32 block below them, each product a warp's 16 x 16 tile on
-the tensor cores (mma m16n8k8 in 3xTF32, about fp32 accuracy): 4 products deep with 4 barriers.
+The inverse: chunk_inverse.py (blocked, 3xTF32 tensor-core products, one warpgroup).
 """
 import tilelang.language as T
 
+from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS, last_at_most
 
 C = 64
-B = 16            # diagonal block of the blocked inverse
-NB = C // B
+B = 16            # diagonal block of the blocked inverse (chunk_inverse.py)
 HPC_MAX = 4       # v-heads per CTA at most (flash_qla/planner.py picks how many, a divisor of Hv / Hq)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -53,50 +50,6 @@ def build(dtype: str, K: int):
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
     TC = T.dynamic("TC")  # chunk slots x 64
-
-    @T.macro
-    def split_tf32(x, hi, lo, i):
-        """x = hi + lo, both TF32 (the low 13 mantissa bits cleared): three TF32 products then give ~fp32 accuracy."""
-        hi[i] = T.reinterpret(T.bitwise_and(T.reinterpret(x, "uint32"), T.uint32(0xFFFFE000)), "float32")
-        lo[i] = x - hi[i]
-
-    @T.macro
-    def block_product(acc, ahi, alo, bhi, blo, lane, a, a_row, a_col, b, b_row, b_col):
-        """acc (a warp's 16 x 16 tile in the m16n8 accumulator layout: element n * 4 + u is row lane / 4 + u // 2 * 8,
-        column n * 8 + lane % 4 * 2 + u % 2) += a[a_row:+16, a_col:+16] @ b[b_row:+16, b_col:+16] on the tensor
-        cores, as 3xTF32 (hi hi + hi lo + lo hi: about fp32 accuracy). The former CUDA-core products read
-        6x the shared-memory wavefronts (the pipe the kernel was bound by, ncu)."""
-        for kx in T.unroll(2):
-            for u in T.unroll(4):
-                split_tf32(a[a_row + lane // 4 + u % 2 * 8, a_col + kx * 8 + lane % 4 + u // 2 * 4], ahi, alo, u)
-            for n in T.unroll(2):
-                for u in T.unroll(2):
-                    split_tf32(b[b_row + kx * 8 + lane % 4 + u * 4, b_col + n * 8 + lane // 4], bhi, blo, u)
-                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", alo.data, 0, bhi.data, 0,
-                          acc.data, n * 4, T.bool(False))
-                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, blo.data, 0,
-                          acc.data, n * 4, T.bool(False))
-                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, bhi.data, 0,
-                          acc.data, n * 4, T.bool(False))
-
-    @T.macro
-    def zero8(acc):
-        for u in T.unroll(8):
-            acc[u] = 0.0
-
-    @T.macro
-    def rows_times_beta(acc, b_s, hj, row, lane):
-        """L = diag(beta) K K^T: beta scales the tile's rows after the product."""
-        for n in T.unroll(2):
-            for u in T.unroll(4):
-                acc[n * 4 + u] = acc[n * 4 + u] * b_s[hj, row + lane // 4 + u // 2 * 8]
-
-    @T.macro
-    def store_tile(dst, row, col, acc, sign, lane):
-        for n in T.unroll(2):
-            for half in T.unroll(2):
-                for u in T.vectorized(2):
-                    dst[row + lane // 4 + half * 8, col + n * 8 + lane % 4 * 2 + u] = acc[n * 4 + half * 2 + u] * sign
 
     @T.macro
     def normalize_row(tile, out, mine, row, t0, hk, valid, store, l2n, nrm):
@@ -183,7 +136,7 @@ def build(dtype: str, K: int):
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
-            dot = T.alloc_var("float32")
+            dot = T.alloc_local((1,), "float32")
             wmax = T.alloc_var("float32")
 
             seq[1] = N
@@ -250,57 +203,10 @@ def build(dtype: str, K: int):
                     kk_s[i, j] = kk[i, j]
                     qk_s[i, j] = T.cast(qk[i, j] * scale, dt)
                 T.sync_threads()
-                warp = tid // 32
-                lane = tid % 32
                 c0 = tid % 8 * 8     # output columns of this thread
                 for hj in T.serial(hpc):
                     h = hg * hpc + hj
-                    # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
-                    # x_i = [i == col] - beta_i sum_{j<i} (K K^T)_ij x_j within the block (0 above the diagonal)
-                    if tid < C:
-                        d0 = (tid // B) * B
-                        for i in T.unroll(B):
-                            dot = 0.0
-                            for j in T.unroll(i):
-                                dot += kk_s[d0 + i, d0 + j] * x[j]
-                            x[i] = T.if_then_else(i == tid - d0, 1.0, -b_s[hj, d0 + i] * dot)
-                        for i in T.unroll(B):
-                            ainv[d0 + i, tid] = x[i]
-                    T.sync_threads()
-                    # Below the diagonal by recursive doubling, A_rc = -A_rr L_rc A_cc on ever larger blocks, with
-                    # L = diag(beta) K K^T: first the two 32 x 32 diagonal blocks (16 x 16 blocks (1, 0) and (3, 2)),
-                    # then the 32 x 32 block below them (16 x 16 blocks (2..3, 0..1), one warp each). Each step is
-                    # tmp = L_rc A_cc, then A_rc = -A_rr tmp: 4 products deep with 4 barriers, where the former
-                    # one-block-diagonal-at-a-time order was 9 deep with 6 (ncu: barrier stalls).
-                    if warp < 2:
-                        r = warp * 2 + 1
-                        zero8(acc)
-                        block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r * B, (r - 1) * B, ainv, (r - 1) * B,
-                                      (r - 1) * B)
-                        rows_times_beta(acc, b_s, hj, r * B, lane)
-                        store_tile(tmp, warp * B, 0, acc, 1.0, lane)
-                    T.sync_threads()
-                    if warp < 2:
-                        r = warp * 2 + 1
-                        zero8(acc)
-                        block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp * B, 0)
-                        store_tile(ainv, r * B, (r - 1) * B, acc, -1.0, lane)
-                    T.sync_threads()
-                    r3 = warp // 2 + 2  # this warp's block (r3, c3) of the lower-left 32 x 32 block
-                    c3 = warp % 2
-                    zero8(acc)
-                    for m in T.unroll(2):  # sum over m = c3..1 of L_r3,m A_m,c3 (A is lower triangular)
-                        if m >= c3:
-                            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r3 * B, m * B, ainv, m * B, c3 * B)
-                    rows_times_beta(acc, b_s, hj, r3 * B, lane)
-                    store_tile(tmp, (r3 - 2) * B, c3 * B, acc, 1.0, lane)
-                    T.sync_threads()
-                    zero8(acc)
-                    for m in T.unroll(2, NB):  # sum over m = 2..r3 of A_r3,m tmp_m,c3
-                        if m <= r3:
-                            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r3 * B, m * B, tmp, (m - 2) * B, c3 * B)
-                    store_tile(ainv, r3 * B, c3 * B, acc, -1.0, lane)
-                    T.sync_threads()
+                    invert_chunk(kk_s, b_s, hj, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid)
                     # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
                     # (the former 2-threads-per-row order used half of every stored sector, ncu)
                     for u in T.unroll(8):

@@ -1,0 +1,296 @@
+"""The whole GDN forward of one (sequence, v-head, V block) chain in one CTA: nothing but q, k, v, g, beta read
+and o (and the final state) written.
+
+gdn_prepare + gdn_fwd_st materialise Agb and P (256 bytes per token and v-head, written once and read back): on
+the rows where sequences x heads fill the GPU that round trip and the extra pass cost as much as the chain itself.
+Here an aux warpgroup computes, one chunk ahead of the chain, what gdn_prepare writes to memory, into shared
+memory: gamma (the chunk-local cumsum of g), eg = exp(gamma), et = exp(gamma_last - gamma) (0 past the end),
+the gate-free inverse A (chunk_inverse.py), Agb = Gamma * A * beta_col and P = scale * Gamma * tril(Q K^T).
+Warpgroups (threads):
+  consumers  BV / 64 warpgroups, the transposed-state chain of gdn_fwd_st's out build (each owns 64 rows of S^T);
+  aux        one warpgroup: the chunk-local products and the inverse for the chunk ahead;
+  producer   one warp: q, k, v by TMA and g, beta by plain loads (0 past the sequence end), two stages deep.
+Stage s (chunk c, s = c % 2): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumers: Agb, P, eg, et
+written), empty[s] (consumers -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
+full[s], which the producer signals only after empty[s]: the consumers are done with that stage's previous chunk.
+Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last value), so every product stays
+finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
+"""
+import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
+
+from .chunk_inverse import invert_chunk
+
+C = 64
+# One consumer warpgroup (BV = 64) only: with two, 64K registers leave the aux warpgroup 72 per thread, and its
+# element-wise steps then ran one element at a time (6.2 us a chunk on the H200, against 2.7 for the chain)
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64]}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
+OUT_BARRIER = 8          # named barriers 8, 9: each consumer warpgroup's O staging
+TURN_BARRIER = 10        # 10, 11: the two consumer warpgroups' products in turn (BV = 128)
+AUX_BARRIER = 12         # the aux warpgroup's own
+AGB_PASSES = 4           # Agb leaves as 4 passes of 16 rows x 8 threads x 8 columns
+LOG2E = 1.4426950408889634
+FULL_MASK = 0xFFFFFFFF
+# registers per thread (setmaxnreg): sum over warpgroups <= 512 (64K registers / 128 threads)
+PRODUCER_REGS = 32
+REGS = {64: (240, 232)}   # BV: (consumer, aux)
+# Stages of the inputs: the aux warpgroup can start chunk c only when the stage of chunk c - STAGES is free, so
+# load + aux time must fit in (STAGES - 1) chain steps. Shared memory allows three with one consumer warpgroup.
+STAGES = {64: 3, 128: 2}
+
+
+def build(dtype: str, K: int, V: int, BV: int):
+    dt = DTYPES[dtype]
+    NC = BV // 64            # consumer warpgroups
+    AUX0 = 128 * NC          # first aux thread
+    PROD0 = AUX0 + 128       # first producer thread
+    THREADS = PROD0 + 128
+    consumer_regs, aux_regs = REGS[BV]
+    # setmaxnreg.inc waits until the CTA's pool (the launch's per-thread registers, a multiple of 8, times the threads)
+    # can grant the request: asking for more than the pool holds hangs the kernel
+    pool = min(255, 65536 // THREADS) // 8 * 8 * THREADS
+    assert (PRODUCER_REGS + NC * consumer_regs + aux_regs) * 128 <= pool, "setmaxnreg requests exceed the pool"
+    stages = STAGES[BV]
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+
+    @T.macro
+    def take_turn(wg, first):
+        """Two consumer warpgroups issue their products in turn (warpgroup 0 first), so that one's products queue on
+        the tensor cores behind the other's and its element-wise steps overlap them (as gdn_fwd_st)."""
+        if NC == 2:
+            if wg == 1:
+                T.sync_threads(TURN_BARRIER, 256)
+            elif not first:
+                T.sync_threads(TURN_BARRIER + 1, 256)
+
+    @T.macro
+    def pass_turn(wg):
+        if NC == 2:
+            T.named_barrier_arrive(TURN_BARRIER + wg, 256)
+
+    @T.prim_func
+    def gdn_fwd_fused(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        v: T.Tensor((NT, Hv, V), dt),
+        g: T.Tensor((NT, Hv), "float32"),
+        beta: T.Tensor((NT, Hv), "float32"),
+        h0: T.Tensor((N, Hv, K, V), "float32"),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        o: T.Tensor((NT, Hv, V), dt),
+        ht: T.Tensor((N, Hv, K, V), "float32"),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
+            q_s = T.alloc_shared((stages, C, K), dt)
+            k_s = T.alloc_shared((stages, C, K), dt)
+            v_s = T.alloc_shared((stages, C, BV), dt)
+            g_s = T.alloc_shared((stages, C), "float32")  # gamma (the chunk-local cumsum of g) in log2 units
+            b_s = T.alloc_shared((stages, C), "float32")
+            agb_s = T.alloc_shared((stages, C, C), dt)
+            p_s = T.alloc_shared((stages, C, C), dt)
+            eg_s = T.alloc_shared((stages, C), "float32")
+            et_s = T.alloc_shared((stages, C), "float32")
+            # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes (bank conflicts)
+            # Double-buffered where shared memory allows (two input stages): then the barrier after a chunk's staging
+            # also orders the previous chunk's reads before the next writes; single-buffered it takes a second one
+            o_bufs = 2 if stages == 2 else 1
+            o_s = T.alloc_shared((o_bufs, C, BV + 8), dt)
+            # the aux warpgroup's scratch: K K^T and the inverse in fp32 (rows padded: the MMA-layout stores and the
+            # fragment loads of the block products hit different banks), the products' intermediate, gamma
+            kk_s = T.alloc_shared((C, C + 4), "float32")
+            ainv = T.alloc_shared((C, C + 4), "float32")
+            tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            full = T.alloc_barrier([32] * stages)
+            ready = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([128 * NC] * stages)
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            hk = h // (Hv // Hq)
+            chunks = T.ceildiv(eos - bos, C)
+            v0 = bv * BV
+            tx = T.get_thread_binding()
+            if tx >= PROD0:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx < PROD0 + 32:
+                    lane = tx - PROD0
+                    gv = T.alloc_local((2,), "float32")
+                    bv_ = T.alloc_local((2,), "float32")
+                    up = T.alloc_local((1,), "float32")
+                    last = T.alloc_local((1,), "float32")
+                    for c in T.serial(chunks):
+                        s = c % stages
+                        t0 = bos + c * C
+                        # g / beta (strided: one 4-byte load per token) fetched before the wait for the stage
+                        for u in T.unroll(2):
+                            row = lane + u * 32
+                            gv[u] = T.if_then_else(t0 + row < eos, g[t0 + row, h], 0.0)
+                            bv_[u] = T.if_then_else(t0 + row < eos, beta[t0 + row, h], 0.0)
+                        # gamma = the chunk-local cumsum of g (0 past the end, so it stays at the last value), in log2
+                        # units: a scan across the lanes of each half, then the first half's total onto the second.
+                        # The producer warp waits most of the time; the aux warpgroup's chunk is the critical path.
+                        for u in T.unroll(2):
+                            for d in T.unroll(5):
+                                up[0] = T.tvm_warp_shuffle_up(FULL_MASK, gv[u], 1 << d, 32, 32)
+                                if lane >= (1 << d):
+                                    gv[u] = gv[u] + up[0]
+                        gv[1] = gv[1] + T.tvm_warp_shuffle(FULL_MASK, gv[0], 31, 32, 32)
+                        valid = T.min(eos - t0, C)
+                        last[0] = T.tvm_warp_shuffle(FULL_MASK, T.if_then_else(valid > 32, gv[1], gv[0]),
+                                                     (valid - 1) % 32, 32, 32)
+                        T.barrier_wait(empty[s], (c // stages + 1) % 2)
+                        # rows past T arrive as zeros; rows of the next sequence are never stored nor reach a valid row
+                        T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=full[s])
+                        T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], v_s[s, :, :], barrier=full[s])
+                        for u in T.unroll(2):
+                            row = lane + u * 32
+                            g_s[s, row] = gv[u] * LOG2E
+                            b_s[s, row] = bv_[u]
+                            eg_s[s, row] = T.exp2(gv[u] * LOG2E)
+                            et_s[s, row] = T.if_then_else(row < valid, T.exp2((last[0] - gv[u]) * LOG2E), 0.0)
+                        T.barrier_arrive(full[s])
+            elif tx >= AUX0:
+                T.set_max_nreg(aux_regs, int(aux_regs > 65536 // THREADS))
+                tid = tx - AUX0
+                kk = T.alloc_fragment((C, C), "float32")
+                qk = T.alloc_fragment((C, C), "float32")
+                x = T.alloc_local((16,), "float32")
+                dot = T.alloc_local((1,), "float32")
+                acc = T.alloc_local((8,), "float32")
+                ahi = T.alloc_local((4,), "float32")
+                alo = T.alloc_local((4,), "float32")
+                bhi = T.alloc_local((2,), "float32")
+                blo = T.alloc_local((2,), "float32")
+                pb = T.alloc_fragment((C, C), dt)
+                gate = T.alloc_fragment((C, C), "float32")
+                ab = T.alloc_local((AGB_PASSES, 8), "float32")
+                bcol = T.alloc_local((8,), "float32")
+                vals = T.alloc_local((8,), dt)
+                for c in T.serial(chunks):
+                    s = c % stages
+                    T.barrier_wait(full[s], (c // stages) % 2)
+                    T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
+                    # Gamma (lower triangle and diagonal) in the products' accumulator layout, into registers before
+                    # any shared-memory store (ptxas keeps loads behind earlier stores: element by element otherwise)
+                    for i, j in T.Parallel(C, C):
+                        gate[i, j] = T.if_then_else(i >= j, T.exp2(g_s[s, i] - g_s[s, j]), 0.0)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
+                    T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
+                    # The gated K K^T: the inverse of I + strictLower(diag(beta) (Gamma * K K^T)) is Gamma * A (the
+                    # gate-free inverse, gated), so Agb below is one column scaling; Gamma <= 1 below the diagonal (no
+                    # overflow). The solve never reads the diagonal. P = scale * Gamma * tril(Q K^T), rounded once.
+                    for i, j in T.Parallel(C, C):
+                        kk_s[i, j] = kk[i, j] * gate[i, j]
+                        pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
+                    T.copy(pb, p_s[s, :, :])
+                    T.sync_threads(AUX_BARRIER, 128)  # kk_s
+                    invert_chunk(kk_s, b_s, s, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, AUX_BARRIER, 128,
+                                 split_pairs=True)
+                    # Agb = (Gamma * A) diag(beta): a thread owns 8 consecutive columns of 4 rows; every load before the
+                    # first store
+                    for u in T.unroll(8):
+                        bcol[u] = b_s[s, tid % 8 * 8 + u]
+                    for ps in T.unroll(AGB_PASSES):
+                        for u in T.vectorized(8):
+                            ab[ps, u] = ainv[ps * 16 + tid // 8, tid % 8 * 8 + u]
+                    for ps in T.unroll(AGB_PASSES):
+                        row = ps * 16 + tid // 8
+                        col = tid % 8 * 8
+                        for u in T.unroll(8):
+                            vals[u] = T.if_then_else(row >= col + u, T.cast(ab[ps, u] * bcol[u], dt), T.cast(0, dt))
+                        for u in T.vectorized(8):
+                            agb_s[s, row, col + u] = vals[u]
+                    T.fence_proxy_async()  # generic-proxy writes, then the consumers' tensor-core (async proxy) reads
+                    T.barrier_arrive(ready[s])
+            else:
+                T.set_max_nreg(consumer_regs, 1)
+                ct = tx
+                wg = ct // 128
+                st = T.alloc_fragment((BV, K), "float32")
+                st_b = T.alloc_fragment((BV, K), dt)
+                kst = T.alloc_fragment((BV, C), "float32")
+                qst = T.alloc_fragment((BV, C), "float32")
+                wt = T.alloc_fragment((BV, C), dt)
+                vnt = T.alloc_fragment((BV, C), "float32")
+                vnt_b = T.alloc_fragment((BV, C), dt)
+                vdt_b = T.alloc_fragment((BV, C), dt)
+                if use_h0 != 0:
+                    for d, kk_ in T.Parallel(BV, K):
+                        st[d, kk_] = h0[n, h, kk_, v0 + d]
+                else:
+                    T.clear(st)
+                for c in T.serial(chunks):
+                    s = c % stages
+                    t0 = bos + c * C
+                    valid = T.min(eos - t0, C)
+                    T.copy(st, st_b)
+                    T.barrier_wait(ready[s], (c // stages) % 2)
+                    take_turn(wg, c == 0)
+                    T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(kst, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
+                    take_turn(wg, False)
+                    T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(vnt, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[s, i], dt)
+                    for d, kk_ in T.Parallel(BV, K):
+                        st[d, kk_] = st[d, kk_] * eg_s[s, valid - 1]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        qst[d, i] = qst[d, i] * (eg_s[s, i] * scale)
+                    take_turn(wg, False)
+                    T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=K // 2)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                    T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
+                    # each consumer warpgroup stages and stores its own 64 columns of O
+                    if o_bufs == 1 and c > 0:
+                        T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
+                    for d, i in T.Parallel(BV, C):
+                        o_s[c % o_bufs, i, d] = T.cast(qst[d, i], dt)
+                    T.sync_threads(OUT_BARRIER + wg, 128)
+                    col = wg * 64 + ct % 8 * 8
+                    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                        row = ps * OUT_ROWS_PER_PASS + ct % 128 // 8
+                        if row < valid:
+                            for u in T.vectorized(8):
+                                o[t0 + row, h, v0 + col + u] = o_s[c % o_bufs, row, col + u]
+                if NC == 2:
+                    if wg == 0 and chunks > 0:  # warpgroup 0 takes warpgroup 1's last turn: the barrier ends drained
+                        T.sync_threads(TURN_BARRIER + 1, 256)
+                if store_ht != 0:
+                    for d, kk_ in T.Parallel(BV, K):
+                        ht[n, h, kk_, v0 + d] = st[d, kk_]
+
+    return gdn_fwd_fused
