@@ -19,17 +19,16 @@ import torch
 
 from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_heads_per_cta
+from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_heads_per_cta, prefer_fused
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
 FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
 OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
 FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no saved intermediates, no l2norm)
-# Opt-in (FLASH_QLA_FUSED=1) and off by default: gdn_fwd_fused is correct on every variant but slower than
-# gdn_prepare + gdn_fwd_st on every matrix row measured (its aux warpgroup needs ~3 us a chunk where the chain
-# needs ~1.7; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
-USE_FUSED = os.environ.get("FLASH_QLA_FUSED", "0") == "1"
+# The plain forward's path: None lets the planner choose per shape (flash_qla/planner.py prefer_fused); tests and
+# experiments pin True / False. FLASH_QLA_FUSED=0 / 1 pins it from the environment.
+USE_FUSED: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("FLASH_QLA_FUSED", ""))
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
 _SMS: dict = {}
@@ -171,7 +170,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     tag = _DTYPE_TAG[dt]
     h0 = initial_state.contiguous() if initial_state is not None else None
     L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    if saved is None and L is None and not want_gate_free_inverse and not use_qk_l2norm and _fused_built(tag, K, V):
+    if saved is None and L is None and not want_gate_free_inverse and not use_qk_l2norm and _take_fused(problem, tag, dev):
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
                                output_final_state, tag, stream)
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
@@ -241,8 +240,15 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
 
 
-def _fused_built(tag: str, K: int, V: int) -> bool:
-    return USE_FUSED and bool(_built_blocks(FUSED_KERNEL, None, tag, K, V))
+def _take_fused(problem: Problem, tag: str, device: torch.device) -> bool:
+    """gdn_fwd_fused for this plain forward (else gdn_prepare + gdn_fwd_st): pinned by USE_FUSED, else planned."""
+    if USE_FUSED is False or not _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v):
+        return False
+    if USE_FUSED:
+        return True
+    T, N, Hv = problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads
+    hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(-(-T // CHUNK) + N, Hv, problem.num_qk_heads, _num_sms(device))
+    return prefer_fused(T, N, Hv, problem.head_dim_v, _num_sms(device), _block_v(problem, tag, device), hpc)
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, tag: str, stream):

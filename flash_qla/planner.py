@@ -66,3 +66,35 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 
     candidates = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0]
     return min(reversed(candidates), key=cost)  # ties: the most heads per CTA
+
+
+# The plain forward's two paths (flash_qla/ops.py): gdn_prepare + gdn_fwd_st, or gdn_fwd_fused alone. Measured on the
+# H200 (K = V = 128, bf16; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md):
+FUSED_CHUNK_US = 2.35    # gdn_fwd_fused: one chain's 64-token chunk (BV = 64; its aux warpgroup sets the pace)
+SPLIT_CHUNK_US = 1.70    # gdn_fwd_st at BV = 64 (times OUT_CHAIN_COST for its other blocks)
+PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM; (0.5 + 0.5 hpc) times that for hpc heads
+PREPARE_MIN_US = 10.0    # a launch's floor
+
+
+def _chain_us(chunks: float, chains: int, blocks_per_chain: int, num_sms: int, per_chunk_us: float) -> float:
+    """`chunks` (summed over the chains) in `chains` chains of `blocks_per_chain` CTAs each, one CTA per SM: the
+    longer of the average chain and the total work spread over the SMs (the host knows only the token and
+    sequence counts, not the lengths)."""
+    return max(chunks / chains, chunks * blocks_per_chain / num_sms) * per_chunk_us
+
+
+@functools.lru_cache(maxsize=4096)
+def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, split_bv: int,
+                 heads_per_cta: int) -> bool:
+    """Whether gdn_fwd_fused (no materialised Agb / P, but ~1.4x slower chunks than gdn_fwd_st at BV = 64) beats
+    gdn_prepare + gdn_fwd_st at V block split_bv. It wins where the prepare pass weighs most: one wave of chains
+    with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_st must take BV = 128 (2B 4096x8)."""
+    chunks = tokens / 64  # of the packed batch, per head
+    chains = num_seqs * num_v_heads
+    fused = _chain_us(chunks * num_v_heads, chains, head_dim_v // 64, num_sms, FUSED_CHUNK_US)
+    split_chain = _chain_us(chunks * num_v_heads, chains, head_dim_v // split_bv, num_sms,
+                            SPLIT_CHUNK_US * OUT_CHAIN_COST.get(split_bv, split_bv / 64))
+    prepare_ctas = (chunks + num_seqs) * num_v_heads / heads_per_cta
+    prepare = max(PREPARE_MIN_US, prepare_ctas * PREPARE_CTA_US * (0.5 + 0.5 * heads_per_cta)
+                  / (PREPARE_CTAS_PER_SM * num_sms))
+    return fused < split_chain + prepare

@@ -1,8 +1,9 @@
-"""The V-block planner: fewest waves x chain cost; narrow only when it adds no wave."""
+"""The launch planner: V blocks (fewest waves x chain cost; narrow only when it adds no wave), gdn_prepare's heads
+per CTA, and the plain forward's path (fused or prepare + chain)."""
 import pytest
 
 from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
-                              plan_heads_per_cta)
+                               plan_heads_per_cta, prefer_fused)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -43,3 +44,18 @@ def test_no_block_built_is_an_error():
 def test_plan_heads_per_cta(slots, hv, hq, want):
     d = plan_heads_per_cta(slots, hv, hq, 132)
     assert d == want and (hv // hq) % d == 0 and d <= PREPARE_MAX_HEADS
+
+
+@pytest.mark.parametrize("tokens,n,hv,split_bv,hpc,want", [
+    (32768, 8, 16, 128, 1, True),     # 2B 4096x8: gdn_prepare's 8k one-head CTAs weigh as much as the chain
+    (32768, 4, 16, 64, 1, True),      # 2B 8192x4: one wave of fused chains
+    (32768, 1, 64, 64, 4, True),      # TP1 1x32768: one wave, 64 heads of prepare
+    (32768, 8, 64, 128, 4, False),    # TP1 4096x8: eight waves of fused chains against four at BV = 128
+    (32768, 4, 32, 128, 4, False),    # TP2 8192x4: two waves against one
+    (2048, 1, 8, 64, 1, False),       # TP8 1x2048: prepare is cheap, the chain at BV = 64 faster per chunk
+    (2048, 1, 16, 64, 1, False),      # 2B 1x2048
+])
+def test_prefer_fused_on_the_standard_rows(tokens, n, hv, split_bv, hpc, want):
+    """gdn_fwd_fused vs gdn_prepare + gdn_fwd_st, as measured on the H200 (the fused kernel's chunk is ~1.4x
+    gdn_fwd_st's at BV = 64, but it has no prepare pass)."""
+    assert prefer_fused(tokens, n, hv, 128, 132, split_bv, hpc) == want

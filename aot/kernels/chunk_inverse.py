@@ -21,20 +21,28 @@ def split_tf32(x, hi, lo, i):
 
 
 @T.macro
-def block_product(acc, ahi, alo, bhi, blo, lane, a, a_row, a_col, b, b_row, b_col, half=None):
+def block_product(acc, ahi, alo, bhi, blo, lane, a, a_row, a_col, b, b_row, b_col, half=None, terms=3):
     """acc (a warp's 16 x 16 tile in the m16n8 accumulator layout: element n * 4 + u is row lane / 4 + u // 2 * 8,
     column n * 8 + lane % 4 * 2 + u % 2) += a[a_row:+16, a_col:+16] @ b[b_row:+16, b_col:+16] on the tensor
-    cores, as 3xTF32 (hi hi + hi lo + lo hi: about fp32 accuracy). half (0 / 1): only columns half * 8 .. + 8."""
+    cores, as 3xTF32 (hi hi + hi lo + lo hi: about fp32 accuracy) or, terms = 1, one TF32 product (the operands'
+    mantissas cut to 10 bits: ~1e-3 relative). half (0 / 1): only columns half * 8 .. + 8."""
     for kx in T.unroll(2):
         for u in T.unroll(4):
-            split_tf32(a[a_row + lane // 4 + u % 2 * 8, a_col + kx * 8 + lane % 4 + u // 2 * 4], ahi, alo, u)
+            if terms == 3:
+                split_tf32(a[a_row + lane // 4 + u % 2 * 8, a_col + kx * 8 + lane % 4 + u // 2 * 4], ahi, alo, u)
+            else:
+                ahi[u] = a[a_row + lane // 4 + u % 2 * 8, a_col + kx * 8 + lane % 4 + u // 2 * 4]
         for n in T.unroll(2) if half is None else [half]:
             for u in T.unroll(2):
-                split_tf32(b[b_row + kx * 8 + lane % 4 + u * 4, b_col + n * 8 + lane // 4], bhi, blo, u)
-            T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", alo.data, 0, bhi.data, 0,
-                      acc.data, n * 4, T.bool(False))
-            T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, blo.data, 0,
-                      acc.data, n * 4, T.bool(False))
+                if terms == 3:
+                    split_tf32(b[b_row + kx * 8 + lane % 4 + u * 4, b_col + n * 8 + lane // 4], bhi, blo, u)
+                else:
+                    bhi[u] = b[b_row + kx * 8 + lane % 4 + u * 4, b_col + n * 8 + lane // 4]
+            if terms == 3:
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", alo.data, 0, bhi.data, 0,
+                          acc.data, n * 4, T.bool(False))
+                T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, blo.data, 0,
+                          acc.data, n * 4, T.bool(False))
             T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", ahi.data, 0, bhi.data, 0,
                       acc.data, n * 4, T.bool(False))
 
@@ -62,6 +70,22 @@ def store_tile(dst, row, col, acc, sign, lane, half=None):
 
 
 @T.macro
+def store_scaled(out, out_stage, row, col, acc, beta, bi, lane, half=None):
+    """out[out_stage] (the storage dtype) = -acc diag(beta) for a warp's 16 x 16 tile (acc holds -A_rc's negation;
+    it is scaled in place)."""
+    # every load before the first store (ptxas keeps a shared load behind earlier shared stores)
+    for n in T.unroll(2) if half is None else [half]:
+        for hh in T.unroll(2):
+            for u in T.unroll(2):
+                acc[n * 4 + hh * 2 + u] = -acc[n * 4 + hh * 2 + u] * beta[bi, col + n * 8 + lane % 4 * 2 + u]
+    for n in T.unroll(2) if half is None else [half]:
+        for hh in T.unroll(2):
+            for u in T.unroll(2):
+                out[out_stage, row + lane // 4 + hh * 8, col + n * 8 + lane % 4 * 2 + u] = T.cast(
+                    acc[n * 4 + hh * 2 + u], out.dtype)
+
+
+@T.macro
 def sync(bar_id, nthreads):
     if bar_id is None:
         T.sync_threads()
@@ -71,24 +95,40 @@ def sync(bar_id, nthreads):
 
 @T.macro
 def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, bar_id=None, nthreads=None,
-                 split_pairs=False):
+                 split_pairs=False, terms=3, out=None, out_stage=None, right_looking=False):
     """ainv (64 x 64 fp32, lower triangle and diagonal written) = the inverse, from kk_s = K K^T (fp32, read below
     the diagonal) and beta[bi, :]. tid: 0..127 within the warpgroup; bar_id / nthreads: its named barrier (None:
     the CTA's, for a one-warpgroup CTA). Ends with the barrier after the last write of ainv. x: 16 fp32 locals,
     dot: 1, acc: 8, ahi / alo: 4, bhi / blo: 2. split_pairs: the first two steps on four warps (8 columns each)
     instead of two: shorter when the warpgroup is alone on its critical path (gdn_fwd_fused's aux), 6-7% slower
-    where four CTAs share the SM (gdn_prepare, H200 A/B)."""
+    where four CTAs share the SM (gdn_prepare, H200 A/B). terms: 3 (3xTF32) or 1 (TF32) products. out (optional,
+    [stage, 64, 64] in the storage dtype): also A diag(beta) into out[out_stage] as each block is made (its upper
+    blocks are never written: the caller zeroes them once). right_looking: the diagonal blocks' substitution as
+    column updates (a 16-step dependent chain; the left-looking dot products chain 120 accumulations)."""
     # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
     # x_i = [i == col] - beta_i sum_{j<i} (K K^T)_ij x_j within the block (0 above the diagonal)
     if tid < C:
         d0 = (tid // B) * B
-        for i in T.unroll(B):
-            dot[0] = 0.0
-            for j in T.unroll(i):
-                dot[0] += kk_s[d0 + i, d0 + j] * x[j]
-            x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
+        if right_looking:  # trace time: x_j is final once the earlier rows' terms are in; then it updates the rows
+            # below it (independent FMAs), so the dependent chain is 16 steps instead of 120 accumulations
+            for i in T.unroll(B):
+                x[i] = 0.0
+            for j in T.unroll(B):
+                x[j] = T.if_then_else(j == tid - d0, 1.0, -beta[bi, d0 + j] * x[j])
+                for i in T.unroll(j + 1, B):
+                    x[i] += kk_s[d0 + i, d0 + j] * x[j]
+        else:
+            for i in T.unroll(B):
+                dot[0] = 0.0
+                for j in T.unroll(i):
+                    dot[0] += kk_s[d0 + i, d0 + j] * x[j]
+                x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
         for i in T.unroll(B):
             ainv[d0 + i, tid] = x[i]
+        if out is not None:
+            dot[0] = beta[bi, tid]  # this column's beta, loaded once before the stores
+            for i in T.unroll(B):
+                out[out_stage, d0 + i, tid] = T.cast(x[i] * dot[0], out.dtype)
     sync(bar_id, nthreads)
     warp = tid // 32
     lane = tid % 32
@@ -100,7 +140,7 @@ def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid
                 r = warp // 2 * 2 + 1
                 zero8(acc)
                 block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r * B, (r - 1) * B, ainv, (r - 1) * B, (r - 1) * B,
-                              half)
+                              half, terms)
                 rows_times_beta(acc, beta, bi, r * B, lane, half)
                 store_tile(tmp, warp // 2 * B, 0, acc, 1.0, lane, half)
         sync(bar_id, nthreads)
@@ -108,35 +148,43 @@ def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid
             if warp % 2 == half:
                 r = warp // 2 * 2 + 1
                 zero8(acc)
-                block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp // 2 * B, 0, half)
+                block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp // 2 * B, 0, half, terms)
                 store_tile(ainv, r * B, (r - 1) * B, acc, -1.0, lane, half)
+                if out is not None:
+                    store_scaled(out, out_stage, r * B, (r - 1) * B, acc, beta, bi, lane, half)
         sync(bar_id, nthreads)
     else:  # one warp per 16 x 16 block
         if warp < 2:
             r = warp * 2 + 1
             zero8(acc)
-            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r * B, (r - 1) * B, ainv, (r - 1) * B, (r - 1) * B)
+            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r * B, (r - 1) * B, ainv, (r - 1) * B, (r - 1) * B,
+                          None, terms)
             rows_times_beta(acc, beta, bi, r * B, lane)
             store_tile(tmp, warp * B, 0, acc, 1.0, lane)
         sync(bar_id, nthreads)
         if warp < 2:
             r = warp * 2 + 1
             zero8(acc)
-            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp * B, 0)
+            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r * B, r * B, tmp, warp * B, 0, None, terms)
             store_tile(ainv, r * B, (r - 1) * B, acc, -1.0, lane)
+            if out is not None:
+                store_scaled(out, out_stage, r * B, (r - 1) * B, acc, beta, bi, lane)
         sync(bar_id, nthreads)
     r3 = warp // 2 + 2  # this warp's block (r3, c3) of the lower-left 32 x 32 block
     c3 = warp % 2
     zero8(acc)
     for m in T.unroll(2):  # sum over m = c3..1 of L_r3,m A_m,c3 (A is lower triangular)
         if m >= c3:
-            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r3 * B, m * B, ainv, m * B, c3 * B)
+            block_product(acc, ahi, alo, bhi, blo, lane, kk_s, r3 * B, m * B, ainv, m * B, c3 * B, None, terms)
     rows_times_beta(acc, beta, bi, r3 * B, lane)
     store_tile(tmp, (r3 - 2) * B, c3 * B, acc, 1.0, lane)
     sync(bar_id, nthreads)
     zero8(acc)
     for m in T.unroll(2, NB):  # sum over m = 2..r3 of A_r3,m tmp_m,c3
         if m <= r3:
-            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r3 * B, m * B, tmp, (m - 2) * B, c3 * B)
-    store_tile(ainv, r3 * B, c3 * B, acc, -1.0, lane)
+            block_product(acc, ahi, alo, bhi, blo, lane, ainv, r3 * B, m * B, tmp, (m - 2) * B, c3 * B, None, terms)
+    if out is None:
+        store_tile(ainv, r3 * B, c3 * B, acc, -1.0, lane)
+    else:  # the last blocks: only the scaled copy is read afterwards
+        store_scaled(out, out_stage, r3 * B, c3 * B, acc, beta, bi, lane)
     sync(bar_id, nthreads)

@@ -32,7 +32,6 @@ OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 thr
 OUT_BARRIER = 8          # named barriers 8, 9: each consumer warpgroup's O staging
 TURN_BARRIER = 10        # 10, 11: the two consumer warpgroups' products in turn (BV = 128)
 AUX_BARRIER = 12         # the aux warpgroup's own
-AGB_PASSES = 4           # Agb leaves as 4 passes of 16 rows x 8 threads x 8 columns
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
 # registers per thread (setmaxnreg): sum over warpgroups <= 512 (64K registers / 128 threads)
@@ -177,9 +176,9 @@ def build(dtype: str, K: int, V: int, BV: int):
                 blo = T.alloc_local((2,), "float32")
                 pb = T.alloc_fragment((C, C), dt)
                 gate = T.alloc_fragment((C, C), "float32")
-                ab = T.alloc_local((AGB_PASSES, 8), "float32")
-                bcol = T.alloc_local((8,), "float32")
-                vals = T.alloc_local((8,), dt)
+                # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
+                for st_, i, j in T.Parallel(stages, C, C):
+                    agb_s[st_, i, j] = T.cast(0, dt)
                 for c in T.serial(chunks):
                     s = c % stages
                     T.barrier_wait(full[s], (c // stages) % 2)
@@ -187,8 +186,11 @@ def build(dtype: str, K: int, V: int, BV: int):
                     T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                     # Gamma (lower triangle and diagonal) in the products' accumulator layout, into registers before
                     # any shared-memory store (ptxas keeps loads behind earlier stores: element by element otherwise)
+                    # (unconditional loads, then a select on the exponent: exp2(-inf) = 0 above the diagonal)
                     for i, j in T.Parallel(C, C):
-                        gate[i, j] = T.if_then_else(i >= j, T.exp2(g_s[s, i] - g_s[s, j]), 0.0)
+                        gate[i, j] = g_s[s, i] - g_s[s, j]
+                    for i, j in T.Parallel(C, C):
+                        gate[i, j] = T.exp2(T.if_then_else(i >= j, gate[i, j], -T.infinity("float32")))
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
                     T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
@@ -200,22 +202,10 @@ def build(dtype: str, K: int, V: int, BV: int):
                         pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
                     T.copy(pb, p_s[s, :, :])
                     T.sync_threads(AUX_BARRIER, 128)  # kk_s
+                    # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
+                    # step: its ~1e-3 relative error sits below Agb's own bf16 rounding (4e-3), and nothing keeps A
                     invert_chunk(kk_s, b_s, s, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, AUX_BARRIER, 128,
-                                 split_pairs=True)
-                    # Agb = (Gamma * A) diag(beta): a thread owns 8 consecutive columns of 4 rows; every load before the
-                    # first store
-                    for u in T.unroll(8):
-                        bcol[u] = b_s[s, tid % 8 * 8 + u]
-                    for ps in T.unroll(AGB_PASSES):
-                        for u in T.vectorized(8):
-                            ab[ps, u] = ainv[ps * 16 + tid // 8, tid % 8 * 8 + u]
-                    for ps in T.unroll(AGB_PASSES):
-                        row = ps * 16 + tid // 8
-                        col = tid % 8 * 8
-                        for u in T.unroll(8):
-                            vals[u] = T.if_then_else(row >= col + u, T.cast(ab[ps, u] * bcol[u], dt), T.cast(0, dt))
-                        for u in T.vectorized(8):
-                            agb_s[s, row, col + u] = vals[u]
+                                 split_pairs=True, terms=1, out=agb_s, out_stage=s, right_looking=True)
                     T.fence_proxy_async()  # generic-proxy writes, then the consumers' tensor-core (async proxy) reads
                     T.barrier_arrive(ready[s])
             else:
