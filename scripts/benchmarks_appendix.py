@@ -45,7 +45,7 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | row | ours | FlashQLA |
 | --- | --- | --- |
 | fwd TP1-397B 4096x8 | gdn_prepare 0.47 ms + gdn_fwd_st 0.61 = 1.08 | kkt_solve 0.44 + fused forward 0.80 (+ cumsum) = 1.25 |
-| fwd 2B-TP1 4096x8 | gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35 | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
+| fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
 | bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.53, gdn_bwd_dh 0.32, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.22) = 1.16 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
@@ -102,11 +102,17 @@ Session of 2026-11-22 (third; H200):
   slower with P stored from the accumulator to fit 3: the other CTAs on the SM were already hiding the prologue, and
   the solve's barrier chain needs the occupancy (`bench/results/experiments/prepare_two_chunks_per_cta_h200.md`).
 
-What remains: the 2B-TP1 batched rows (Hv = Hq = 16: no GVA group to share gdn_prepare's prologue; its
-0.18 ms against FlashQLA's 0.115 ms kkt_solve decides them: 0.90-0.92x); against FlashInfer on the full-GPU rows
-(0.71-0.76x on TP1 / TP2 batched) the materialised Agb / P and the separate prepare launch (FlashInfer computes both
-on an auxiliary warpgroup a chunk ahead inside one kernel) would have to go. `use_qk_l2norm_in_kernel` is fused
-into gdn_prepare (per-thread row pass over the TMA'd tiles; +0.16 ms eager on TP1 4096x8, room left).
+Forward, second session of 2026-11-22: `gdn_fwd_fused`, the whole forward in one kernel (producer warp, aux
+warpgroup computing gamma / the gated inverse / Agb / P one to two chunks ahead into shared memory, one consumer
+warpgroup on the transposed-state chain; `bench/results/experiments/fwd_fused_aux_warpgroup_h200.md`), taken per
+shape by the planner's cost model. It took the 2B-TP1 batched rows from 0.90-0.92x FlashQLA to 1.04-1.27x (4096x8
+0.357 -> 0.315 ms, 1024x8 0.113 -> 0.089, 8192x4 0.390 -> 0.308) and TP1-397B 1x32768 / 1x8192 / 1x2048, TP2
+16384+16384, TP8 4096x8 / 1024x8 by 5-24%. Its aux warpgroup went from 5.6 to 2.35 us a chunk mostly by keeping
+every shared load ahead of the shared stores that ptxas kept them behind. What remains against FlashInfer on the
+full-GPU rows (0.70-0.76x on TP1 / TP2 batched): the fused chunk (2.35 us at 64 V columns) is slower than
+gdn_fwd_st's (1.7) and a 128-column fused build does not fit the register file with the aux warpgroup, so those
+rows keep the split path and its materialised Agb / P. `use_qk_l2norm_in_kernel` is fused into gdn_prepare (split
+path only).
 
 Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.304 ms (1.30x FlashQLA), 28672+4096 0.297, 16384+16384
 0.273, 1x8192 0.143; TP2 1x32768 0.810 (1.55x); 2B-TP1 1x32768 0.529, 28672+4096 0.521. The planner's constants and
