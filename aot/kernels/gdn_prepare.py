@@ -21,6 +21,7 @@ import tilelang.language as T
 
 from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS, last_at_most
+from .tile_rows import l2norm_row
 
 C = 64
 B = 16            # diagonal block of the blocked inverse (chunk_inverse.py)
@@ -50,28 +51,6 @@ def build(dtype: str, K: int):
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
     TC = T.dynamic("TC")  # chunk slots x 64
-
-    @T.macro
-    def normalize_row(tile, out, mine, row, t0, hk, valid, store, l2n, nrm):
-        """Row `row` of a (64, K) tile (when `mine`): l2-normalised in place, stored to out when `store`."""
-        if mine:
-            nrm[0] = 0.0
-            for d0 in T.serial(K // 8):
-                for u in T.vectorized(8):
-                    l2n[u] = tile[row, d0 * 8 + u]
-                for u in T.unroll(8):
-                    nrm[0] += T.cast(l2n[u], "float32") * T.cast(l2n[u], "float32")
-            nrm[1] = T.rsqrt(nrm[0] + L2NORM_EPS)
-            for d0 in T.serial(K // 8):
-                for u in T.vectorized(8):
-                    l2n[u] = tile[row, d0 * 8 + u]
-                for u in T.unroll(8):
-                    l2n[u] = T.cast(T.cast(l2n[u], "float32") * nrm[1], dt)
-                for u in T.vectorized(8):
-                    tile[row, d0 * 8 + u] = l2n[u]
-                if store and row < valid:
-                    for u in T.vectorized(8):
-                        out[t0 + row, hk, d0 * 8 + u] = l2n[u]
 
     @T.prim_func
     def gdn_prepare(
@@ -167,8 +146,12 @@ def build(dtype: str, K: int):
                     # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype
                     # in place (threads 0-63: k rows, 64-127: q rows); the k-head's first CTA of the chunk also
                     # stores the valid rows for the recurrence kernels, so no separate pass reads q / k
-                    normalize_row(k_s, kn, tid < C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
-                    normalize_row(q_s, qn, tid >= C, tid % C, t0, hk, valid, hg * hpc % (Hv // Hq) == 0, l2n, nrm)
+                    row = tid % C
+                    store = hg * hpc % (Hv // Hq) == 0 and row < valid
+                    if tid < C:
+                        l2norm_row(k_s, None, row, K, L2NORM_EPS, l2n, nrm, kn, t0 + row, hk, store)
+                    else:
+                        l2norm_row(q_s, None, row, K, L2NORM_EPS, l2n, nrm, qn, t0 + row, hk, store)
                     T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
                     T.sync_threads()
                 # both products on the tensor cores while the CUDA cores sum gamma (waited for below)
