@@ -25,7 +25,7 @@ from .validation import Problem, validate_kernel_inputs
 CHUNK = 64
 FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
 OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
-FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no saved intermediates, no l2norm)
+FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no saved intermediates)
 # The plain forward's path: None lets the planner choose per shape (flash_qla/planner.py prefer_fused); tests and
 # experiments pin True / False. FLASH_QLA_FUSED=0 / 1 pins it from the environment.
 USE_FUSED: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("FLASH_QLA_FUSED", ""))
@@ -170,9 +170,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     tag = _DTYPE_TAG[dt]
     h0 = initial_state.contiguous() if initial_state is not None else None
     L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    if saved is None and L is None and not want_gate_free_inverse and not use_qk_l2norm and _take_fused(problem, tag, dev):
+    if saved is None and L is None and not want_gate_free_inverse and _take_fused(problem, tag, dev, use_qk_l2norm):
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
-                               output_final_state, tag, stream)
+                               output_final_state, use_qk_l2norm, tag, stream)
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
     cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
@@ -240,7 +240,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
 
 
-def _take_fused(problem: Problem, tag: str, device: torch.device) -> bool:
+def _take_fused(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> bool:
     """gdn_fwd_fused for this plain forward (else gdn_prepare + gdn_fwd_st): pinned by USE_FUSED, else planned."""
     if USE_FUSED is False or not _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v):
         return False
@@ -248,17 +248,20 @@ def _take_fused(problem: Problem, tag: str, device: torch.device) -> bool:
         return True
     T, N, Hv = problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads
     hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(-(-T // CHUNK) + N, Hv, problem.num_qk_heads, _num_sms(device))
-    return prefer_fused(T, N, Hv, problem.head_dim_v, _num_sms(device), _block_v(problem, tag, device), hpc)
+    return prefer_fused(T, N, Hv, problem.head_dim_v, _num_sms(device), _block_v(problem, tag, device), hpc,
+                        bool(l2norm))
 
 
-def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, tag: str, stream):
+def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
+                   stream):
     """The forward in one launch (gdn_fwd_fused): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
     o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None)}
+    variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None),
+               "l2norm": int(l2norm)}
     _launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},

@@ -74,6 +74,11 @@ FUSED_CHUNK_US = 2.35    # gdn_fwd_fused: one chain's 64-token chunk (BV = 64; i
 SPLIT_CHUNK_US = 1.70    # gdn_fwd_st at BV = 64 (times OUT_CHAIN_COST for its other blocks)
 PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM; (0.5 + 0.5 hpc) times that for hpc heads
 PREPARE_MIN_US = 10.0    # a launch's floor
+# use_qk_l2norm_in_kernel: gdn_prepare normalises (and stores) each CTA's q / k rows, about one more one-head CTA's
+# time per CTA; gdn_fwd_fused takes Q Q^T and the norms' scalings on its aux warpgroup (2B-TP1 4096x8: split 0.355 ->
+# 0.537 ms, fused 0.333 -> 0.402; TP8 4096x8: 0.175 -> 0.205, 0.168 -> 0.227)
+L2NORM_PREPARE_CTAS = 1.0
+L2NORM_FUSED_CHUNK_US = 0.7
 
 
 def _chain_us(chunks: float, chains: int, blocks_per_chain: int, num_sms: int, per_chunk_us: float) -> float:
@@ -85,16 +90,17 @@ def _chain_us(chunks: float, chains: int, blocks_per_chain: int, num_sms: int, p
 
 @functools.lru_cache(maxsize=4096)
 def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, split_bv: int,
-                 heads_per_cta: int) -> bool:
+                 heads_per_cta: int, l2norm: bool = False) -> bool:
     """Whether gdn_fwd_fused (no materialised Agb / P, but ~1.4x slower chunks than gdn_fwd_st at BV = 64) beats
     gdn_prepare + gdn_fwd_st at V block split_bv. It wins where the prepare pass weighs most: one wave of chains
     with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_st must take BV = 128 (2B 4096x8)."""
     chunks = tokens / 64  # of the packed batch, per head
     chains = num_seqs * num_v_heads
-    fused = _chain_us(chunks * num_v_heads, chains, head_dim_v // 64, num_sms, FUSED_CHUNK_US)
+    fused = _chain_us(chunks * num_v_heads, chains, head_dim_v // 64, num_sms,
+                      FUSED_CHUNK_US + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0))
     split_chain = _chain_us(chunks * num_v_heads, chains, head_dim_v // split_bv, num_sms,
                             SPLIT_CHUNK_US * OUT_CHAIN_COST.get(split_bv, split_bv / 64))
     prepare_ctas = (chunks + num_seqs) * num_v_heads / heads_per_cta
-    prepare = max(PREPARE_MIN_US, prepare_ctas * PREPARE_CTA_US * (0.5 + 0.5 * heads_per_cta)
-                  / (PREPARE_CTAS_PER_SM * num_sms))
+    per_cta = 0.5 + 0.5 * heads_per_cta + (L2NORM_PREPARE_CTAS if l2norm else 0.0)
+    prepare = max(PREPARE_MIN_US, prepare_ctas * PREPARE_CTA_US * per_cta / (PREPARE_CTAS_PER_SM * num_sms))
     return fused < split_chain + prepare

@@ -111,8 +111,8 @@ shape by the planner's cost model. It took the 2B-TP1 batched rows from 0.90-0.9
 every shared load ahead of the shared stores that ptxas kept them behind. What remains against FlashInfer on the
 full-GPU rows (0.70-0.76x on TP1 / TP2 batched): the fused chunk (2.35 us at 64 V columns) is slower than
 gdn_fwd_st's (1.7) and a 128-column fused build does not fit the register file with the aux warpgroup, so those
-rows keep the split path and its materialised Agb / P. `use_qk_l2norm_in_kernel` is fused into gdn_prepare (split
-path only).
+rows keep the split path and its materialised Agb / P. `use_qk_l2norm_in_kernel` on the fused path is algebraic
+(1/|q_i|, 1/|k_i| from Q Q^T's and K K^T's diagonals as scalings; 2B-TP1 4096x8 with l2norm 0.39 ms vs 0.54 split).
 
 Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.304 ms (1.30x FlashQLA), 28672+4096 0.297, 16384+16384
 0.273, 1x8192 0.143; TP2 1x32768 0.810 (1.55x); 2B-TP1 1x32768 0.529, 28672+4096 0.521. The planner's constants and

@@ -42,9 +42,11 @@ ops.USE_FUSED = True
 with torch.no_grad():
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                  initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+    o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
+                                               beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 ops.USE_FUSED = False
 torch.cuda.synchronize()
-print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()))
+print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()))
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
 print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])

@@ -114,12 +114,15 @@ def test_prepare_heads_per_cta_agree(tag, K, monkeypatch):
             assert torch.equal(A, results[0][2]), hpc
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("variant", variants())
-def test_fused_l2norm_matches_fp64_reference(variant, monkeypatch):
+def test_fused_l2norm_matches_fp64_reference(variant, path, monkeypatch):
     """use_qk_l2norm_in_kernel on unnormalised q / k (norms ~3 and ~0.5): gdn_prepare normalises the tiles
-    it loads and hands them to the output pass; GVA group of 3 so one v-head stores each group's rows."""
+    it loads and hands them to the output pass (GVA group of 3, so one v-head stores each group's rows), or
+    gdn_fwd_fused applies 1 / |q_i|, 1 / |k_i| (from Q Q^T's and K K^T's diagonals) as scalings."""
     tag, K, V, BV = variant
     monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     x = draw(LENGTHS["mixed"], 2, 6, K, V, dtype, seed=K + V + 5)
     x["q"], x["k"] = (x["q"].float() * 3).to(dtype), (x["k"].float() * 0.5).to(dtype)

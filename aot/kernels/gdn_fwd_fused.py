@@ -1,5 +1,5 @@
 """The whole GDN forward of one (sequence, v-head, V block) chain in one CTA: nothing but q, k, v, g, beta read
-and o (and the final state) written.
+and o (and the final state) written. use_qk_l2norm_in_kernel is applied algebraically (no pass over the tiles).
 
 gdn_prepare + gdn_fwd_st materialise Agb and P (256 bytes per token and v-head, written once and read back): on
 the rows where sequences x heads fill the GPU that round trip and the extra pass cost as much as the chain itself.
@@ -20,11 +20,13 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
+from .common import L2NORM_EPS
 
 C = 64
 # One consumer warpgroup (BV = 64) only: with two, 64K registers leave the aux warpgroup 72 per thread, and its
 # element-wise steps then ran one element at a time (6.2 us a chunk on the H200, against 2.7 for the chain)
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64]}
+# l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64], "l2norm": [0, 1]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
@@ -42,7 +44,7 @@ REGS = {64: (240, 232)}   # BV: (consumer, aux)
 STAGES = {64: 3, 128: 2}
 
 
-def build(dtype: str, K: int, V: int, BV: int):
+def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     dt = DTYPES[dtype]
     NC = BV // 64            # consumer warpgroups
     AUX0 = 128 * NC          # first aux thread
@@ -97,8 +99,12 @@ def build(dtype: str, K: int, V: int, BV: int):
             b_s = T.alloc_shared((stages, C), "float32")
             agb_s = T.alloc_shared((stages, C, C), dt)
             p_s = T.alloc_shared((stages, C, C), dt)
+            # per-token factors of the chain: eg (times 1 / |k_i| with l2norm) for W, egq (eg, times 1 / |q_i|) for
+            # (Q S)^T, et (times 1 / |k_i|) for the state update
             eg_s = T.alloc_shared((stages, C), "float32")
+            egq_s = T.alloc_shared((stages, C), "float32") if l2norm else eg_s
             et_s = T.alloc_shared((stages, C), "float32")
+            rn_s = T.alloc_shared((2, C), "float32")  # the aux's 1 / |k_i|, 1 / |q_i| (use_qk_l2norm_in_kernel)
             # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes (bank conflicts)
             # Double-buffered where shared memory allows (two input stages): then the barrier after a chunk's staging
             # also orders the previous chunk's reads before the next writes; single-buffered it takes a second one
@@ -175,6 +181,7 @@ def build(dtype: str, K: int, V: int, BV: int):
                 bhi = T.alloc_local((2,), "float32")
                 blo = T.alloc_local((2,), "float32")
                 pb = T.alloc_fragment((C, C), dt)
+                qq = T.alloc_fragment((C, C), "float32") if l2norm else None
                 gate = T.alloc_fragment((C, C), "float32")
                 # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
                 for st_, i, j in T.Parallel(stages, C, C):
@@ -194,6 +201,26 @@ def build(dtype: str, K: int, V: int, BV: int):
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
                     T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
+                    if l2norm:  # compile time
+                        # use_qk_l2norm_in_kernel without a pass over the tiles: |k_i|^2 is K K^T's diagonal, |q_i|^2
+                        # Q Q^T's; the products take the factors as row / column scalings and the chain as per-token
+                        # ones (eg, et by 1 / |k_i|, egq by 1 / |q_i|), exactly the normalised rows' algebra
+                        T.wgmma_gemm(q_s[s, :, :], q_s[s, :, :], qq, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(qq, num_regs=C * C // 128)
+                        for i, j in T.Parallel(C, C):
+                            if i == j:
+                                rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                                rn_s[1, i] = T.rsqrt(qq[i, j] + L2NORM_EPS)
+                        T.sync_threads(AUX_BARRIER, 128)
+                        # every load before the stores below: row and column factors into the accumulators
+                        for i, j in T.Parallel(C, C):
+                            kk[i, j] = kk[i, j] * (rn_s[0, i] * rn_s[0, j])
+                            qk[i, j] = qk[i, j] * (rn_s[1, i] * rn_s[0, j])
+                        if tid < C:
+                            egq_s[s, tid] = eg_s[s, tid] * rn_s[1, tid]
+                            eg_s[s, tid] = eg_s[s, tid] * rn_s[0, tid]
+                            et_s[s, tid] = et_s[s, tid] * rn_s[0, tid]
                     # The gated K K^T: the inverse of I + strictLower(diag(beta) (Gamma * K K^T)) is Gamma * A (the
                     # gate-free inverse, gated), so Agb below is one column scaling; Gamma <= 1 below the diagonal (no
                     # overflow). The solve never reads the diagonal. P = scale * Gamma * tril(Q K^T), rounded once.
@@ -220,6 +247,7 @@ def build(dtype: str, K: int, V: int, BV: int):
                 vnt = T.alloc_fragment((BV, C), "float32")
                 vnt_b = T.alloc_fragment((BV, C), dt)
                 vdt_b = T.alloc_fragment((BV, C), dt)
+                egl = T.alloc_local((1,), "float32")
                 if use_h0 != 0:
                     for d, kk_ in T.Parallel(BV, K):
                         st[d, kk_] = h0[n, h, kk_, v0 + d]
@@ -250,12 +278,16 @@ def build(dtype: str, K: int, V: int, BV: int):
                     for d, i in T.Parallel(BV, C):
                         vnt_b[d, i] = T.cast(vnt[d, i], dt)
                         vdt_b[d, i] = T.cast(vnt[d, i] * et_s[s, i], dt)
+                    if l2norm:  # the chunk's total decay (eg_s carries 1 / |k|)
+                        egl[0] = T.exp2(g_s[s, valid - 1])
+                    else:
+                        egl[0] = eg_s[s, valid - 1]
                     for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = st[d, kk_] * eg_s[s, valid - 1]
+                        st[d, kk_] = st[d, kk_] * egl[0]
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
-                        qst[d, i] = qst[d, i] * (eg_s[s, i] * scale)
+                        qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
                     take_turn(wg, False)
                     T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
