@@ -31,8 +31,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
-OUT_BARRIER = 8          # named barriers 8, 9: each consumer warpgroup's O staging
-TURN_BARRIER = 10        # 10, 11: the two consumer warpgroups' products in turn (BV = 128)
+OUT_BARRIER = 8          # named barrier 8 (+ warpgroup): the consumer warpgroup's O staging
 AUX_BARRIER = 12         # the aux warpgroup's own
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
@@ -60,21 +59,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
-
-    @T.macro
-    def take_turn(wg, first):
-        """Two consumer warpgroups issue their products in turn (warpgroup 0 first), so that one's products queue on
-        the tensor cores behind the other's and its element-wise steps overlap them (as gdn_fwd_st)."""
-        if NC == 2:
-            if wg == 1:
-                T.sync_threads(TURN_BARRIER, 256)
-            elif not first:
-                T.sync_threads(TURN_BARRIER + 1, 256)
-
-    @T.macro
-    def pass_turn(wg):
-        if NC == 2:
-            T.named_barrier_arrive(TURN_BARRIER + wg, 256)
 
     @T.prim_func
     def gdn_fwd_fused(
@@ -259,20 +243,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     valid = T.min(eos - t0, C)
                     T.copy(st, st_b)
                     T.barrier_wait(ready[s], (c // stages) % 2)
-                    take_turn(wg, c == 0)
                     T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
-                    pass_turn(wg)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kst, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
                         wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
-                    take_turn(wg, False)
                     T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
-                    pass_turn(wg)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(vnt, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
@@ -288,10 +268,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
                         qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
-                    take_turn(wg, False)
                     T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    pass_turn(wg)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(st, num_regs=K // 2)
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
@@ -308,9 +286,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         if row < valid:
                             for u in T.vectorized(8):
                                 o[t0 + row, h, v0 + col + u] = o_s[c % o_bufs, row, col + u]
-                if NC == 2:
-                    if wg == 0 and chunks > 0:  # warpgroup 0 takes warpgroup 1's last turn: the barrier ends drained
-                        T.sync_threads(TURN_BARRIER + 1, 256)
                 if store_ht != 0:
                     for d, kk_ in T.Parallel(BV, K):
                         ht[n, h, kk_, v0 + d] = st[d, kk_]
