@@ -147,6 +147,19 @@ def test_dense_batch_and_scale_and_l2norm():
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
+def test_empty_sequences_keep_their_initial_state(path, monkeypatch):
+    """Zero-length sequences inside a varlen batch: no output rows, final state = initial state, neighbours exact."""
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    x = draw([0, 5, 0, 70, 0], 2, 4, 128, 128, torch.bfloat16, seed=19)
+    o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    o_ref, ht_ref = fp64_reference(x)
+    assert reference.relative_l2(o, o_ref) <= 1e-2 and reference.relative_l2(ht, ht_ref) <= 1e-2
+    for n in (0, 2, 4):
+        assert torch.equal(ht[n], x["initial_state"][n]), n
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_hundred_repeats_are_bit_identical(path, monkeypatch):
     monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
     x = draw(LENGTHS["mixed"] + [2048], 2, 8, 128, 128, torch.bfloat16, seed=11)
