@@ -190,7 +190,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     o = _empty(T, Hv, V, device=dev, dtype=dt)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
-    hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(TC // CHUNK, Hv, problem.num_qk_heads, _num_sms(dev))
+    hpc = _heads_per_cta(problem, dev)
     # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
     # recurrence kernels then read in place of q / k
     qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
@@ -246,10 +246,15 @@ def _take_fused(problem: Problem, tag: str, device: torch.device, l2norm: bool) 
         return False
     if USE_FUSED:
         return True
-    T, N, Hv = problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads
-    hpc = FORCE_HEADS_PER_CTA or plan_heads_per_cta(-(-T // CHUNK) + N, Hv, problem.num_qk_heads, _num_sms(device))
-    return prefer_fused(T, N, Hv, problem.head_dim_v, _num_sms(device), _block_v(problem, tag, device), hpc,
-                        bool(l2norm))
+    return prefer_fused(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v,
+                        _num_sms(device), _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm))
+
+
+def _heads_per_cta(problem: Problem, device: torch.device) -> int:
+    """gdn_prepare's v-heads per CTA (flash_qla/planner.py), over its chunk slots ceil(T / 64) + N."""
+    slots = -(-(problem.batch * problem.tokens) // CHUNK) + problem.num_seqs
+    return FORCE_HEADS_PER_CTA or plan_heads_per_cta(slots, problem.num_v_heads, problem.num_qk_heads,
+                                                     _num_sms(device))
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,

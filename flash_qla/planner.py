@@ -72,7 +72,8 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 # H200 (K = V = 128, bf16; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md):
 FUSED_CHUNK_US = 2.35    # gdn_fwd_fused: one chain's 64-token chunk (BV = 64; its aux warpgroup sets the pace)
 SPLIT_CHUNK_US = 1.70    # gdn_fwd_st at BV = 64 (times OUT_CHAIN_COST for its other blocks)
-PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM; (0.5 + 0.5 hpc) times that for hpc heads
+PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM (an hpc-head CTA: PREPARE_SHARED_COST +
+                         # hpc * PREPARE_HEAD_COST times that, as plan_heads_per_cta weighs it)
 PREPARE_MIN_US = 10.0    # a launch's floor
 # use_qk_l2norm_in_kernel: gdn_prepare normalises (and stores) each CTA's q / k rows, about one more one-head CTA's
 # time per CTA; gdn_fwd_fused takes Q Q^T and the norms' scalings on its aux warpgroup (2B-TP1 4096x8: split 0.355 ->
@@ -101,6 +102,6 @@ def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, 
     split_chain = _chain_us(chunks * num_v_heads, chains, head_dim_v // split_bv, num_sms,
                             SPLIT_CHUNK_US * OUT_CHAIN_COST.get(split_bv, split_bv / 64))
     prepare_ctas = (chunks + num_seqs) * num_v_heads / heads_per_cta
-    per_cta = 0.5 + 0.5 * heads_per_cta + (L2NORM_PREPARE_CTAS if l2norm else 0.0)
+    per_cta = PREPARE_SHARED_COST + heads_per_cta * PREPARE_HEAD_COST + (L2NORM_PREPARE_CTAS if l2norm else 0.0)
     prepare = max(PREPARE_MIN_US, prepare_ctas * PREPARE_CTA_US * per_cta / (PREPARE_CTAS_PER_SM * num_sms))
     return fused < split_chain + prepare
