@@ -64,9 +64,9 @@ def rows_times_beta(acc, beta, bi, row, lane, half=None):
 @T.macro
 def store_tile(dst, row, col, acc, sign, lane, half=None):
     for n in T.unroll(2) if half is None else [half]:
-        for half in T.unroll(2):
+        for hh in T.unroll(2):
             for u in T.vectorized(2):
-                dst[row + lane // 4 + half * 8, col + n * 8 + lane % 4 * 2 + u] = acc[n * 4 + half * 2 + u] * sign
+                dst[row + lane // 4 + hh * 8, col + n * 8 + lane % 4 * 2 + u] = acc[n * 4 + hh * 2 + u] * sign
 
 
 @T.macro
@@ -95,7 +95,7 @@ def sync(bar_id, nthreads):
 
 @T.macro
 def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, bar_id=None, nthreads=None,
-                 split_pairs=False, terms=3, out=None, out_stage=None, right_looking=False):
+                 split_pairs=False, terms=3, out=None, out_stage=None):
     """ainv (64 x 64 fp32, lower triangle and diagonal written) = the inverse, from kk_s = K K^T (fp32, read below
     the diagonal) and beta[bi, :]. tid: 0..127 within the warpgroup; bar_id / nthreads: its named barrier (None:
     the CTA's, for a one-warpgroup CTA). Ends with the barrier after the last write of ainv. x: 16 fp32 locals,
@@ -103,26 +103,16 @@ def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid
     instead of two: shorter when the warpgroup is alone on its critical path (gdn_fwd_fused's aux), 6-7% slower
     where four CTAs share the SM (gdn_prepare, H200 A/B). terms: 3 (3xTF32) or 1 (TF32) products. out (optional,
     [stage, 64, 64] in the storage dtype): also A diag(beta) into out[out_stage] as each block is made (its upper
-    blocks are never written: the caller zeroes them once). right_looking: the diagonal blocks' substitution as
-    column updates (a 16-step dependent chain; the left-looking dot products chain 120 accumulations)."""
+    blocks are never written: the caller zeroes them once)."""
     # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
     # x_i = [i == col] - beta_i sum_{j<i} (K K^T)_ij x_j within the block (0 above the diagonal)
     if tid < C:
         d0 = (tid // B) * B
-        if right_looking:  # trace time: x_j is final once the earlier rows' terms are in; then it updates the rows
-            # below it (independent FMAs), so the dependent chain is 16 steps instead of 120 accumulations
-            for i in T.unroll(B):
-                x[i] = 0.0
-            for j in T.unroll(B):
-                x[j] = T.if_then_else(j == tid - d0, 1.0, -beta[bi, d0 + j] * x[j])
-                for i in T.unroll(j + 1, B):
-                    x[i] += kk_s[d0 + i, d0 + j] * x[j]
-        else:
-            for i in T.unroll(B):
-                dot[0] = 0.0
-                for j in T.unroll(i):
-                    dot[0] += kk_s[d0 + i, d0 + j] * x[j]
-                x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
+        for i in T.unroll(B):
+            dot[0] = 0.0
+            for j in T.unroll(i):
+                dot[0] += kk_s[d0 + i, d0 + j] * x[j]
+            x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
         for i in T.unroll(B):
             ainv[d0 + i, tid] = x[i]
         if out is not None:

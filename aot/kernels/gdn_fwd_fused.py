@@ -3,16 +3,17 @@ and o (and the final state) written. use_qk_l2norm_in_kernel is applied algebrai
 
 gdn_prepare + gdn_fwd_st materialise Agb and P (256 bytes per token and v-head, written once and read back): on
 the rows where sequences x heads fill the GPU that round trip and the extra pass cost as much as the chain itself.
-Here an aux warpgroup computes, one chunk ahead of the chain, what gdn_prepare writes to memory, into shared
-memory: gamma (the chunk-local cumsum of g), eg = exp(gamma), et = exp(gamma_last - gamma) (0 past the end),
-the gate-free inverse A (chunk_inverse.py), Agb = Gamma * A * beta_col and P = scale * Gamma * tril(Q K^T).
+Here what gdn_prepare writes to memory is made in shared memory, one to two chunks ahead of the chain: Agb =
+Gamma * A * beta_col (the inverse of the gated K K^T is Gamma * A, chunk_inverse.py) and P = scale * Gamma *
+tril(Q K^T) by an aux warpgroup; gamma (the chunk-local cumsum of g), eg = exp(gamma) and et = exp(gamma_last -
+gamma) (0 past the end) by the producer warp.
 Warpgroups (threads):
-  consumers  BV / 64 warpgroups, the transposed-state chain of gdn_fwd_st's out build (each owns 64 rows of S^T);
-  aux        one warpgroup: the chunk-local products and the inverse for the chunk ahead;
-  producer   one warp: q, k, v by TMA and g, beta by plain loads (0 past the sequence end), two stages deep.
-Stage s (chunk c, s = c % 2): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumers: Agb, P, eg, et
-written), empty[s] (consumers -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
-full[s], which the producer signals only after empty[s]: the consumers are done with that stage's previous chunk.
+  consumer   one warpgroup, the transposed-state chain of gdn_fwd_st's out build on 64 V columns (BV = 64);
+  aux        one warpgroup: the chunk-local products and the inverse for the chunks ahead;
+  producer   one warp: q, k, v by TMA, g / beta by plain loads (0 past the sequence end), gamma, eg, et.
+Stage s (chunk c, s = c % STAGES): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumer: Agb, P
+written), empty[s] (consumer -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
+full[s], which the producer signals only after empty[s]: the consumer is done with that stage's previous chunk.
 Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last value), so every product stays
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
 """
@@ -23,38 +24,38 @@ from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS
 
 C = 64
-# One consumer warpgroup (BV = 64) only: with two, 64K registers leave the aux warpgroup 72 per thread, and its
-# element-wise steps then ran one element at a time (6.2 us a chunk on the H200, against 2.7 for the chain)
+# One consumer warpgroup (BV = 64) only: with two (BV = 128) the register file leaves the aux warpgroup 72 per
+# thread, it spills and a chunk took 4.5 us on the H200 (bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64], "l2norm": [0, 1]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
-OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
-OUT_BARRIER = 8          # named barrier 8 (+ warpgroup): the consumer warpgroup's O staging
+OUT_ROWS_PER_PASS = 16   # the consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
+OUT_BARRIER = 8          # the consumer warpgroup's O staging
 AUX_BARRIER = 12         # the aux warpgroup's own
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
 # registers per thread (setmaxnreg): sum over warpgroups <= 512 (64K registers / 128 threads)
 PRODUCER_REGS = 32
-REGS = {64: (240, 232)}   # BV: (consumer, aux)
+CONSUMER_REGS = 240
+AUX_REGS = 232
 # Stages of the inputs: the aux warpgroup can start chunk c only when the stage of chunk c - STAGES is free, so
-# load + aux time must fit in (STAGES - 1) chain steps. Shared memory allows three with one consumer warpgroup.
-STAGES = {64: 3, 128: 2}
+# load + aux time must fit in (STAGES - 1) chain steps; shared memory allows three (O is staged single-buffered)
+STAGES = 3
 
 
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
+    assert BV == 64, "one consumer warpgroup: 64 V columns"
     dt = DTYPES[dtype]
-    NC = BV // 64            # consumer warpgroups
-    AUX0 = 128 * NC          # first aux thread
+    AUX0 = 128               # first aux thread (the consumer warpgroup is 0..127)
     PROD0 = AUX0 + 128       # first producer thread
     THREADS = PROD0 + 128
-    consumer_regs, aux_regs = REGS[BV]
     # setmaxnreg.inc waits until the CTA's pool (the launch's per-thread registers, a multiple of 8, times the threads)
     # can grant the request: asking for more than the pool holds hangs the kernel
     pool = min(255, 65536 // THREADS) // 8 * 8 * THREADS
-    assert (PRODUCER_REGS + NC * consumer_regs + aux_regs) * 128 <= pool, "setmaxnreg requests exceed the pool"
-    stages = STAGES[BV]
+    assert (PRODUCER_REGS + CONSUMER_REGS + AUX_REGS) * 128 <= pool, "setmaxnreg requests exceed the pool"
+    stages = STAGES
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -90,19 +91,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             et_s = T.alloc_shared((stages, C), "float32")
             rn_s = T.alloc_shared((2, C), "float32")  # the aux's 1 / |k_i|, 1 / |q_i| (use_qk_l2norm_in_kernel)
             # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes (bank conflicts)
-            # Double-buffered where shared memory allows (two input stages): then the barrier after a chunk's staging
-            # also orders the previous chunk's reads before the next writes; single-buffered it takes a second one
-            o_bufs = 2 if stages == 2 else 1
-            o_s = T.alloc_shared((o_bufs, C, BV + 8), dt)
+            o_s = T.alloc_shared((C, BV + 8), dt)
             # the aux warpgroup's scratch: K K^T and the inverse in fp32 (rows padded: the MMA-layout stores and the
-            # fragment loads of the block products hit different banks), the products' intermediate, gamma
+            # fragment loads of the block products hit different banks), the products' intermediate
             kk_s = T.alloc_shared((C, C + 4), "float32")
             ainv = T.alloc_shared((C, C + 4), "float32")
             tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             full = T.alloc_barrier([32] * stages)
             ready = T.alloc_barrier([128] * stages)
-            empty = T.alloc_barrier([128 * NC] * stages)
+            empty = T.alloc_barrier([128] * stages)
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
@@ -153,7 +151,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             et_s[s, row] = T.if_then_else(row < valid, T.exp2((last[0] - gv[u]) * LOG2E), 0.0)
                         T.barrier_arrive(full[s])
             elif tx >= AUX0:
-                T.set_max_nreg(aux_regs, int(aux_regs > 65536 // THREADS))
+                T.set_max_nreg(AUX_REGS, int(AUX_REGS > 65536 // THREADS))
                 tid = tx - AUX0
                 kk = T.alloc_fragment((C, C), "float32")
                 qk = T.alloc_fragment((C, C), "float32")
@@ -216,13 +214,12 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
                     # step: its ~1e-3 relative error sits below Agb's own bf16 rounding (4e-3), and nothing keeps A
                     invert_chunk(kk_s, b_s, s, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, AUX_BARRIER, 128,
-                                 split_pairs=True, terms=1, out=agb_s, out_stage=s, right_looking=True)
+                                 split_pairs=True, terms=1, out=agb_s, out_stage=s)
                     T.fence_proxy_async()  # generic-proxy writes, then the consumers' tensor-core (async proxy) reads
                     T.barrier_arrive(ready[s])
             else:
-                T.set_max_nreg(consumer_regs, 1)
+                T.set_max_nreg(CONSUMER_REGS, 1)
                 ct = tx
-                wg = ct // 128
                 st = T.alloc_fragment((BV, K), "float32")
                 st_b = T.alloc_fragment((BV, K), dt)
                 kst = T.alloc_fragment((BV, C), "float32")
@@ -274,18 +271,18 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     T.warpgroup_fence_operand(st, num_regs=K // 2)
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
                     T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
-                    # each consumer warpgroup stages and stores its own 64 columns of O
-                    if o_bufs == 1 and c > 0:
-                        T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
+                    # O staged as rows, then stored 16 bytes a thread
+                    if c > 0:
+                        T.sync_threads(OUT_BARRIER, 128)  # the previous chunk's O rows have left o_s
                     for d, i in T.Parallel(BV, C):
-                        o_s[c % o_bufs, i, d] = T.cast(qst[d, i], dt)
-                    T.sync_threads(OUT_BARRIER + wg, 128)
-                    col = wg * 64 + ct % 8 * 8
+                        o_s[i, d] = T.cast(qst[d, i], dt)
+                    T.sync_threads(OUT_BARRIER, 128)
+                    col = ct % 8 * 8
                     for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-                        row = ps * OUT_ROWS_PER_PASS + ct % 128 // 8
+                        row = ps * OUT_ROWS_PER_PASS + ct // 8
                         if row < valid:
                             for u in T.vectorized(8):
-                                o[t0 + row, h, v0 + col + u] = o_s[c % o_bufs, row, col + u]
+                                o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
                 if store_ht != 0:
                     for d, kk_ in T.Parallel(BV, K):
                         ht[n, h, kk_, v0 + d] = st[d, kk_]
