@@ -1,5 +1,5 @@
 """Forward with use_qk_l2norm_in_kernel on unnormalised q / k: CUDA-graph medians of both plain-forward paths
-(gdn_fwd_fused, gdn_prepare + gdn_fwd_st) and of the unfused-input baseline, on representative rows, as JSON lines."""
+(gdn_fwd_fused, gdn_prepare + gdn_fwd_st), each also without l2norm, on representative rows, as JSON lines."""
 import json
 import sys
 

@@ -37,7 +37,7 @@ cp.FORCE_SEGMENT_CHUNKS = None
 o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
-# the opt-in fused forward (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages)
+# the fused forward pinned (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages), plain and l2norm
 ops.USE_FUSED = True
 with torch.no_grad():
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),

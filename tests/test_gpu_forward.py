@@ -148,7 +148,8 @@ def test_dense_batch_and_scale_and_l2norm():
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_empty_sequences_keep_their_initial_state(path, monkeypatch):
-    """Zero-length sequences inside a varlen batch: no output rows, final state = initial state, neighbours exact."""
+    """Zero-length sequences inside a varlen batch: final state = initial state exactly, the others within
+    tolerance of fp64."""
     monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
     x = draw([0, 5, 0, 70, 0], 2, 4, 128, 128, torch.bfloat16, seed=19)
     o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)

@@ -149,9 +149,9 @@ def build(dtype: str, K: int):
                     row = tid % C
                     store = hg * hpc % (Hv // Hq) == 0 and row < valid
                     if tid < C:
-                        l2norm_row(k_s, None, row, K, L2NORM_EPS, l2n, nrm, kn, t0 + row, hk, store)
+                        l2norm_row(k_s, row, K, L2NORM_EPS, l2n, nrm, kn, t0 + row, hk, store)
                     else:
-                        l2norm_row(q_s, None, row, K, L2NORM_EPS, l2n, nrm, qn, t0 + row, hk, store)
+                        l2norm_row(q_s, row, K, L2NORM_EPS, l2n, nrm, qn, t0 + row, hk, store)
                     T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
                     T.sync_threads()
                 # both products on the tensor cores while the CUDA cores sum gamma (waited for below)

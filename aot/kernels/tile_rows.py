@@ -3,28 +3,24 @@ import tilelang.language as T
 
 
 @T.macro
-def l2norm_row(tile, stage, row, K, eps, l2n, nrm, out=None, out_row=None, out_head=None, store=None):
-    """Row `row` of a (64, K) tile (tile[stage] when stage is not None) becomes x / sqrt(sum x^2 + eps): the sum in
-    fp32, one rounding to the tile's dtype. With `out`, the row also goes to out[out_row, out_head, :] where `store`
-    holds. l2n: 8 locals of the tile's dtype, nrm: 2 fp32 locals."""
+def l2norm_row(tile, row, K, eps, l2n, nrm, out, out_row, out_head, store):
+    """Row `row` of a (64, K) tile becomes x / sqrt(sum x^2 + eps): the sum in fp32, one rounding to the tile's
+    dtype; where `store` holds, the row also goes to out[out_row, out_head, :]. l2n: 8 locals of the tile's dtype,
+    nrm: 2 fp32 locals."""
     nrm[0] = 0.0
     for d0 in T.serial(K // 8):
         for u in T.vectorized(8):
-            l2n[u] = tile[row, d0 * 8 + u] if stage is None else tile[stage, row, d0 * 8 + u]
+            l2n[u] = tile[row, d0 * 8 + u]
         for u in T.unroll(8):
             nrm[0] += T.cast(l2n[u], "float32") * T.cast(l2n[u], "float32")
     nrm[1] = T.rsqrt(nrm[0] + eps)
     for d0 in T.serial(K // 8):
         for u in T.vectorized(8):
-            l2n[u] = tile[row, d0 * 8 + u] if stage is None else tile[stage, row, d0 * 8 + u]
+            l2n[u] = tile[row, d0 * 8 + u]
         for u in T.unroll(8):
             l2n[u] = T.cast(T.cast(l2n[u], "float32") * nrm[1], l2n.dtype)
         for u in T.vectorized(8):
-            if stage is None:
-                tile[row, d0 * 8 + u] = l2n[u]
-            else:
-                tile[stage, row, d0 * 8 + u] = l2n[u]
-        if out is not None:
-            if store:
-                for u in T.vectorized(8):
-                    out[out_row, out_head, d0 * 8 + u] = l2n[u]
+            tile[row, d0 * 8 + u] = l2n[u]
+        if store:
+            for u in T.vectorized(8):
+                out[out_row, out_head, d0 * 8 + u] = l2n[u]
