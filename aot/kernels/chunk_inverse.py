@@ -1,10 +1,11 @@
-"""The gate-free inverse of one 64-token chunk on one warpgroup: A = (I + strictLower(diag(beta) K K^T))^-1.
+"""The inverse of one 64-token chunk on one warpgroup: A = (I + strictLower(diag(beta) L))^-1 for L = K K^T (the
+gate-free inverse, gdn_prepare) or Gamma * K K^T (its gated form Gamma * A, gdn_fwd_fused's aux warpgroup).
 
 Blocked: the four 16 x 16 diagonal blocks by forward substitution in parallel (one thread per column, 16 rows
 deep, fp32 FMA), then the blocks below the diagonal by recursive doubling, A_rc = -A_rr L_rc A_cc on the two
 32 x 32 diagonal blocks and then the 32 x 32 block below them, each product a warp's 16 x 16 tile on the tensor
-cores (mma m16n8k8 in 3xTF32, about fp32 accuracy): 4 products deep with 4 barriers.
-Used by gdn_fwd_fused's aux warpgroup (a named barrier of its 128 threads).
+cores (mma m16n8k8 in 3xTF32, about fp32 accuracy, or one TF32 product): 4 products deep with 4 barriers, on the
+CTA's barrier or a named one of the warpgroup's 128 threads.
 """
 import tilelang.language as T
 
