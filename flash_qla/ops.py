@@ -52,20 +52,22 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
-def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int) -> list:
-    key = ("bv", kernel, mode, tag, K, V)
+def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int, l2norm: Optional[int] = None) -> list:
+    """The V blocks built for a kernel's variant (l2norm: only the builds with that flag, gdn_fwd_fused's axis)."""
+    key = ("bv", kernel, mode, tag, K, V, l2norm)
     if key not in _CACHE:
         _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
-                       if (v["dtype"], v["K"], v["V"]) == key[3:] and v.get("mode") == mode]
+                       if (v["dtype"], v["K"], v["V"]) == key[3:6] and v.get("mode") == mode
+                       and (l2norm is None or v.get("l2norm") == l2norm)]
     return _CACHE[key]
 
 
 def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = "out",
-             chains_per_head: Optional[int] = None) -> int:
-    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh): planned from the built
-    blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
-    v-head."""
-    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
+             chains_per_head: Optional[int] = None, l2norm: Optional[int] = None) -> int:
+    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh, gdn_fwd_fused): planned from the
+    built blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains
+    per v-head."""
+    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v, l2norm)
     if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
         return FORCE_BLOCK_V
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
@@ -265,8 +267,8 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
                       problem.num_seqs)
     o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None),
-               "l2norm": int(l2norm)}
+    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm),
+               "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None, l2norm=int(l2norm))}
     _launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},

@@ -27,7 +27,8 @@ C = 64
 # One consumer warpgroup (BV = 64) only: with two (BV = 128) the register file leaves the aux warpgroup 72 per
 # thread, it spills and a chunk took 4.5 us on the H200 (bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64], "l2norm": [0, 1]}
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1]}
+VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
@@ -37,25 +38,25 @@ AUX_BARRIER = 12         # the aux warpgroup's own
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
 # registers per thread (setmaxnreg): sum over warpgroups <= 512 (64K registers / 128 threads)
-PRODUCER_REGS = 32
-CONSUMER_REGS = 240
-AUX_REGS = 232
+REGS = {64: (32, 240, 232), 128: (24, 176, 136)}   # BV: (producer, consumer, aux)
 # Stages of the inputs: the aux warpgroup can start chunk c only when the stage of chunk c - STAGES is free, so
-# load + aux time must fit in (STAGES - 1) chain steps; shared memory allows three (O is staged single-buffered)
-STAGES = 3
+# load + aux time must fit in (STAGES - 1) chain steps; shared memory allows three at BV = 64, two at BV = 128
+STAGES = {64: 3, 128: 2}
+STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to shared memory (BV = 128)
 
 
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
-    assert BV == 64, "one consumer warpgroup: 64 V columns"
     dt = DTYPES[dtype]
-    AUX0 = 128               # first aux thread (the consumer warpgroup is 0..127)
+    NC = BV // 64            # consumer warpgroups, 64 rows of S^T each
+    AUX0 = 128 * NC          # first aux thread
+    PRODUCER_REGS, CONSUMER_REGS, AUX_REGS = REGS[BV]
     PROD0 = AUX0 + 128       # first producer thread
     THREADS = PROD0 + 128
     # setmaxnreg.inc waits until the CTA's pool (the launch's per-thread registers, a multiple of 8, times the threads)
     # can grant the request: asking for more than the pool holds hangs the kernel
     pool = min(255, 65536 // THREADS) // 8 * 8 * THREADS
-    assert (PRODUCER_REGS + CONSUMER_REGS + AUX_REGS) * 128 <= pool, "setmaxnreg requests exceed the pool"
-    stages = STAGES
+    assert (PRODUCER_REGS + NC * CONSUMER_REGS + AUX_REGS) * 128 <= pool, "setmaxnreg requests exceed the pool"
+    stages = STAGES[BV]
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -97,10 +98,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             kk_s = T.alloc_shared((C, C + 4), "float32")
             ainv = T.alloc_shared((C, C + 4), "float32")
             tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
+            stb_s = T.alloc_shared((BV, K), dt) if NC > 1 else None
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            if NC > 1:
+                T.annotate_layout({stb_s: make_swizzled_layout(stb_s)})
             full = T.alloc_barrier([32] * stages)
             ready = T.alloc_barrier([128] * stages)
-            empty = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([128 * NC] * stages)
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
@@ -154,7 +158,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 T.set_max_nreg(AUX_REGS, int(AUX_REGS > 65536 // THREADS))
                 tid = tx - AUX0
                 kk = T.alloc_fragment((C, C), "float32")
-                qk = T.alloc_fragment((C, C), "float32")
+                qk = T.alloc_fragment((C, C), "float32") if NC == 1 else kk  # BV = 128: one accumulator at a time
                 x = T.alloc_local((16,), "float32")
                 dot = T.alloc_local((1,), "float32")
                 acc = T.alloc_local((8,), "float32")
@@ -172,7 +176,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     s = c % stages
                     T.barrier_wait(full[s], (c // stages) % 2)
                     T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
+                    if NC == 1:  # compile time
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                     # Gamma (lower triangle and diagonal) in the products' accumulator layout, into registers before
                     # any shared-memory store (ptxas keeps loads behind earlier stores: element by element otherwise)
                     # (unconditional loads, then a select on the exponent: exp2(-inf) = 0 above the diagonal)
@@ -182,7 +187,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         gate[i, j] = T.exp2(T.if_then_else(i >= j, gate[i, j], -T.infinity("float32")))
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
-                    T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
+                    if NC == 1:
+                        T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
                     if l2norm:  # compile time
                         # use_qk_l2norm_in_kernel without a pass over the tiles: |k_i|^2 is K K^T's diagonal, |q_i|^2
                         # Q Q^T's; the products take the factors as row / column scalings and the chain as per-token
@@ -206,9 +212,18 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     # The gated K K^T: the inverse of I + strictLower(diag(beta) (Gamma * K K^T)) is Gamma * A (the
                     # gate-free inverse, gated), so Agb below is one column scaling; Gamma <= 1 below the diagonal (no
                     # overflow). The solve never reads the diagonal. P = scale * Gamma * tril(Q K^T), rounded once.
-                    for i, j in T.Parallel(C, C):
-                        kk_s[i, j] = kk[i, j] * gate[i, j]
-                        pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
+                    if NC == 1:
+                        for i, j in T.Parallel(C, C):
+                            kk_s[i, j] = kk[i, j] * gate[i, j]
+                            pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
+                    else:  # the accumulator stored, then reused for Q K^T
+                        for i, j in T.Parallel(C, C):
+                            kk_s[i, j] = kk[i, j] * gate[i, j]
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
+                        for i, j in T.Parallel(C, C):
+                            pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
                     T.copy(pb, p_s[s, :, :])
                     T.sync_threads(AUX_BARRIER, 128)  # kk_s
                     # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
@@ -220,8 +235,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             else:
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 ct = tx
+                wg = ct // 128 if NC > 1 else 0
                 st = T.alloc_fragment((BV, K), "float32")
-                st_b = T.alloc_fragment((BV, K), dt)
+                # the bf16 state, the A operand of K S and Q S: registers at BV = 64, shared memory at BV = 128 (the
+                # 32 registers it frees leave the aux warpgroup enough)
+                st_b = T.alloc_fragment((BV, K), dt) if NC == 1 else stb_s
                 kst = T.alloc_fragment((BV, C), "float32")
                 qst = T.alloc_fragment((BV, C), "float32")
                 wt = T.alloc_fragment((BV, C), dt)
@@ -239,6 +257,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     t0 = bos + c * C
                     valid = T.min(eos - t0, C)
                     T.copy(st, st_b)
+                    if NC > 1:  # this warpgroup's rows of st_b, then its tensor-core (async proxy) reads
+                        T.fence_proxy_async()
+                        T.sync_threads(STATE_BARRIER + wg, 128)
                     T.barrier_wait(ready[s], (c // stages) % 2)
                     T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
@@ -272,14 +293,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
                     T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
                     # O staged as rows, then stored 16 bytes a thread
+                    # (each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the chunk's
+                    # last tensor-core reads of st_b before the next chunk's writes)
                     if c > 0:
-                        T.sync_threads(OUT_BARRIER, 128)  # the previous chunk's O rows have left o_s
+                        T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
                     for d, i in T.Parallel(BV, C):
                         o_s[i, d] = T.cast(qst[d, i], dt)
-                    T.sync_threads(OUT_BARRIER, 128)
-                    col = ct % 8 * 8
+                    T.sync_threads(OUT_BARRIER + wg, 128)
+                    col = wg * 64 + ct % 8 * 8
                     for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-                        row = ps * OUT_ROWS_PER_PASS + ct // 8
+                        row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
                         if row < valid:
                             for u in T.vectorized(8):
                                 o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
