@@ -19,7 +19,8 @@ import torch
 
 from . import cp, loader
 from .chunk_grads import token_positions
-from .planner import OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_heads_per_cta, prefer_fused
+from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_fused_block_v, plan_heads_per_cta,
+                      prefer_fused)
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
@@ -63,11 +64,11 @@ def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int, l2
 
 
 def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = "out",
-             chains_per_head: Optional[int] = None, l2norm: Optional[int] = None) -> int:
-    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh, gdn_fwd_fused): planned from the
-    built blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains
-    per v-head."""
-    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v, l2norm)
+             chains_per_head: Optional[int] = None) -> int:
+    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh): planned from the built
+    blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
+    v-head."""
+    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
     if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
         return FORCE_BLOCK_V
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
@@ -77,7 +78,7 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
 def _chain_costs(kernel: str) -> dict:
     """The per-chunk chain costs of a chain kernel by V block (flash_qla/planner.py): gdn_fwd_st keeps the state
     in registers, gdn_fwd's save build and gdn_bwd_dh stage it through shared memory."""
-    return OUT_CHAIN_COST if kernel in (OUT_KERNEL, FUSED_KERNEL) else STAGED_CHAIN_COST
+    return OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
 
 
 def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
@@ -249,7 +250,17 @@ def _take_fused(problem: Problem, tag: str, device: torch.device, l2norm: bool) 
     if USE_FUSED:
         return True
     return prefer_fused(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v,
-                        _num_sms(device), _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm))
+                        _num_sms(device), _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm),
+                        _fused_block_v(problem, tag, device, l2norm))
+
+
+def _fused_block_v(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> int:
+    """gdn_fwd_fused's V block: FORCE_BLOCK_V when built, else planned (flash_qla/planner.py plan_fused_block_v)."""
+    built = _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v, int(l2norm))
+    if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
+        return FORCE_BLOCK_V
+    return plan_fused_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                              problem.head_dim_v, _num_sms(device), tuple(built), bool(l2norm))
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:
@@ -267,8 +278,7 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
                       problem.num_seqs)
     o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm),
-               "BV": _block_v(problem, tag, dev, kernel=FUSED_KERNEL, mode=None, l2norm=int(l2norm))}
+    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": _fused_block_v(problem, tag, dev, l2norm)}
     _launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},

@@ -70,7 +70,9 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 
 # The plain forward's two paths (flash_qla/ops.py): gdn_prepare + gdn_fwd_st, or gdn_fwd_fused alone. Measured on the
 # H200 (K = V = 128, bf16; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md):
-FUSED_CHUNK_US = 2.35    # gdn_fwd_fused: one chain's 64-token chunk (BV = 64; its aux warpgroup sets the pace)
+# gdn_fwd_fused: one chain's 64-token chunk by V block (BV = 64: its aux warpgroup sets the pace; BV = 128: two
+# consumer warpgroups share the SM's tensor cores and issue slots with the aux, TP8 1x32768 CP off 1.76 ms / 512)
+FUSED_CHUNK_US = {64: 2.35, 128: 3.44}
 SPLIT_CHUNK_US = 1.70    # gdn_fwd_st at BV = 64 (times OUT_CHAIN_COST for its other blocks)
 PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM (an hpc-head CTA: PREPARE_SHARED_COST +
                          # hpc * PREPARE_HEAD_COST times that, as plan_heads_per_cta weighs it)
@@ -89,16 +91,31 @@ def _chain_us(chunks: float, chains: int, blocks_per_chain: int, num_sms: int, p
     return max(chunks / chains, chunks * blocks_per_chain / num_sms) * per_chunk_us
 
 
+def _fused_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, bv: int,
+              l2norm: bool) -> float:
+    chunks = tokens / 64
+    return _chain_us(chunks * num_v_heads, num_seqs * num_v_heads, head_dim_v // bv, num_sms,
+                     FUSED_CHUNK_US[bv] + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0))
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_fused_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int,
+                       blocks: tuple, l2norm: bool = False) -> int:
+    """gdn_fwd_fused's V block among the built ones: 64 while it keeps the chains within about a wave, 128 (half
+    the CTAs, each chunk 1.46x as long) once narrower blocks would add waves. Ties: the wider block."""
+    return min(sorted(blocks, reverse=True),
+               key=lambda bv: _fused_us(tokens, num_seqs, num_v_heads, head_dim_v, num_sms, bv, l2norm))
+
+
 @functools.lru_cache(maxsize=4096)
 def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, split_bv: int,
-                 heads_per_cta: int, l2norm: bool = False) -> bool:
-    """Whether gdn_fwd_fused (no materialised Agb / P, but ~1.4x slower chunks than gdn_fwd_st at BV = 64) beats
-    gdn_prepare + gdn_fwd_st at V block split_bv. It wins where the prepare pass weighs most: one wave of chains
-    with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_st must take BV = 128 (2B 4096x8)."""
+                 heads_per_cta: int, l2norm: bool = False, fused_bv: int = 64) -> bool:
+    """Whether gdn_fwd_fused at V block fused_bv (no materialised Agb / P, but slower chunks than gdn_fwd_st)
+    beats gdn_prepare + gdn_fwd_st at V block split_bv. It wins where the prepare pass weighs most: one wave of
+    chains with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_st must take BV = 128."""
     chunks = tokens / 64  # of the packed batch, per head
     chains = num_seqs * num_v_heads
-    fused = _chain_us(chunks * num_v_heads, chains, head_dim_v // 64, num_sms,
-                      FUSED_CHUNK_US + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0))
+    fused = _fused_us(tokens, num_seqs, num_v_heads, head_dim_v, num_sms, fused_bv, l2norm)
     split_chain = _chain_us(chunks * num_v_heads, chains, head_dim_v // split_bv, num_sms,
                             SPLIT_CHUNK_US * OUT_CHAIN_COST.get(split_bv, split_bv / 64))
     prepare_ctas = (chunks + num_seqs) * num_v_heads / heads_per_cta

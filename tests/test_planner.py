@@ -3,7 +3,7 @@ per CTA, and the plain forward's path (fused or prepare + chain)."""
 import pytest
 
 from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
-                               plan_heads_per_cta, prefer_fused)
+                               plan_fused_block_v, plan_heads_per_cta, prefer_fused)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -50,15 +50,35 @@ def test_plan_heads_per_cta(slots, hv, hq, want):
     (32768, 8, 16, 128, 1, True),     # 2B 4096x8: gdn_prepare's 8k one-head CTAs weigh as much as the chain
     (32768, 4, 16, 64, 1, True),      # 2B 8192x4: one wave of fused chains
     (32768, 1, 64, 64, 4, True),      # TP1 1x32768: one wave, 64 heads of prepare
-    (32768, 8, 64, 128, 4, False),    # TP1 4096x8: eight waves of fused chains against four at BV = 128
+    (32768, 8, 64, 128, 4, False),    # TP1 4096x8: eight waves of fused chains at BV = 64 against four at 128
     (32768, 4, 32, 128, 4, False),    # TP2 8192x4: two waves against one
     (2048, 1, 8, 64, 1, False),       # TP8 1x2048: prepare is cheap, the chain at BV = 64 faster per chunk
     (2048, 1, 16, 64, 1, False),      # 2B 1x2048
 ])
 def test_prefer_fused_on_the_standard_rows(tokens, n, hv, split_bv, hpc, want):
-    """gdn_fwd_fused vs gdn_prepare + gdn_fwd_st, as measured on the H200 (the fused kernel's chunk is ~1.4x
-    gdn_fwd_st's at BV = 64, but it has no prepare pass)."""
+    """gdn_fwd_fused at BV = 64 vs gdn_prepare + gdn_fwd_st, as measured on the H200 (the fused kernel's chunk is
+    ~1.4x gdn_fwd_st's at BV = 64, but it has no prepare pass)."""
     assert prefer_fused(tokens, n, hv, 128, 132, split_bv, hpc) == want
+
+
+@pytest.mark.parametrize("tokens,n,hv,want", [
+    (32768, 1, 64, 64),     # TP1 1x32768: 128 chains of 64 columns fit one wave
+    (32768, 8, 8, 64),      # TP8 4096x8: 128 chains too
+    (32768, 8, 16, 128),    # 2B 4096x8: 256 chains of 64 would take two waves, 128 of 128 one (0.24 vs 0.31 ms)
+    (32768, 8, 64, 128),    # TP1 4096x8: 4 waves of 128 columns against 8 of 64 (0.96 vs 1.24 ms)
+])
+def test_fused_block_v(tokens, n, hv, want):
+    assert plan_fused_block_v(tokens, n, hv, 128, 132, (64, 128)) == want
+    assert plan_fused_block_v(tokens, n, hv, 128, 132, (64,)) == 64  # only built blocks
+
+
+@pytest.mark.parametrize("tokens,n,hv,split_bv,hpc", [
+    (32768, 8, 64, 128, 4),           # TP1 4096x8: fused 0.99 ms against split 1.19 (H200 bench)
+    (32768, 4, 32, 128, 4),           # TP2 8192x4: 0.48 against 0.55
+    (8192, 8, 32, 128, 4),            # TP2 1024x8: 0.134 against 0.159
+])
+def test_two_consumer_fused_beats_split_on_many_waves(tokens, n, hv, split_bv, hpc):
+    assert prefer_fused(tokens, n, hv, 128, 132, split_bv, hpc, fused_bv=128)
 
 
 @pytest.mark.parametrize("tokens,n,hv,split_bv,hpc,want", [
