@@ -38,15 +38,22 @@ o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
 # the fused forward pinned (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages), plain and l2norm
+# at BV = 64, plain at BV = 128 (two consumer warpgroups, the bf16 state in shared memory)
 ops.USE_FUSED = True
 with torch.no_grad():
+    ops.FORCE_BLOCK_V = 64
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                  initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
                                                beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    ops.FORCE_BLOCK_V = 128
+    o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
+                                                   initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+    ops.FORCE_BLOCK_V = None
 ops.USE_FUSED = False
 torch.cuda.synchronize()
-print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()))
+print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()),
+      float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
 print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])

@@ -58,6 +58,14 @@ def poison(monkeypatch):
 # the plain forward's two paths: gdn_fwd_fused alone, or gdn_prepare + gdn_fwd_st (what CP, l2norm and the
 # backward's recompute build on)
 PATHS = {"fused": True, "split": False}
+# the fused path's builds (V block 64: one consumer warpgroup; 128: two, the bf16 state in shared memory) and
+# the split path at the planner's block
+PATH_BLOCKS = [("fused", 64), ("fused", 128), ("split", None)]
+
+
+def pin_path(monkeypatch, path, block_v):
+    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    monkeypatch.setattr(ops, "FORCE_BLOCK_V", block_v)
 
 
 def launched_kernels(monkeypatch) -> list:
@@ -146,11 +154,11 @@ def test_dense_batch_and_scale_and_l2norm():
     assert reference.relative_l2(ht, ht_ref) <= 1e-2
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_empty_sequences_keep_their_initial_state(path, monkeypatch):
+@pytest.mark.parametrize("path,block_v", PATH_BLOCKS)
+def test_empty_sequences_keep_their_initial_state(path, block_v, monkeypatch):
     """Zero-length sequences inside a varlen batch: final state = initial state exactly, the others within
     tolerance of fp64."""
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    pin_path(monkeypatch, path, block_v)
     x = draw([0, 5, 0, 70, 0], 2, 4, 128, 128, torch.bfloat16, seed=19)
     o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
@@ -160,9 +168,9 @@ def test_empty_sequences_keep_their_initial_state(path, monkeypatch):
         assert torch.equal(ht[n], x["initial_state"][n]), n
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_hundred_repeats_are_bit_identical(path, monkeypatch):
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+@pytest.mark.parametrize("path,block_v", PATH_BLOCKS)
+def test_hundred_repeats_are_bit_identical(path, block_v, monkeypatch):
+    pin_path(monkeypatch, path, block_v)
     x = draw(LENGTHS["mixed"] + [2048], 2, 8, 128, 128, torch.bfloat16, seed=11)
     o0, ht0 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     for _ in range(100):
@@ -170,9 +178,9 @@ def test_hundred_repeats_are_bit_identical(path, monkeypatch):
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_cuda_graph_capture_replays_exactly(path, monkeypatch):
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+@pytest.mark.parametrize("path,block_v", PATH_BLOCKS)
+def test_cuda_graph_capture_replays_exactly(path, block_v, monkeypatch):
+    pin_path(monkeypatch, path, block_v)
     x = draw([500, 64, 3], 2, 4, 128, 128, torch.bfloat16, seed=13)
     o_eager, ht_eager = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     graph = torch.cuda.CUDAGraph()

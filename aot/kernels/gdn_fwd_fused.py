@@ -45,16 +45,6 @@ STAGES = {64: 3, 128: 2}
 STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to shared memory (BV = 128)
 
 
-@T.macro
-def store_o_rows(o, o_s, t_start, h, v0, col, row0, rows_valid):
-    """A consumer warpgroup's 64 staged O columns out, 16 bytes a thread: rows row0 + 16 * pass below rows_valid."""
-    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-        row = ps * OUT_ROWS_PER_PASS + row0
-        if row < rows_valid:
-            for u in T.vectorized(8):
-                o[t_start + row, h, v0 + col + u] = o_s[row, col + u]
-
-
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     dt = DTYPES[dtype]
     NC = BV // 64            # consumer warpgroups, 64 rows of S^T each
@@ -246,8 +236,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 ct = tx
                 wg = ct // 128 if NC > 1 else 0
-                col = wg * 64 + ct % 8 * 8                         # this thread's O columns and first row
-                orow = (ct % 128 if NC > 1 else ct) // 8
                 st = T.alloc_fragment((BV, K), "float32")
                 # the bf16 state, the A operand of K S and Q S: registers at BV = 64, shared memory at BV = 128 (the
                 # 32 registers it frees leave the aux warpgroup enough)
@@ -269,15 +257,12 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     t0 = bos + c * C
                     valid = T.min(eos - t0, C)
                     T.copy(st, st_b)
-                    if NC > 1:  # this warpgroup's rows of st_b, then its tensor-core (async proxy) reads; the
-                        # barrier also orders the previous chunk's O staging before its stores below
+                    if NC > 1:  # this warpgroup's rows of st_b, then its tensor-core (async proxy) reads
                         T.fence_proxy_async()
                         T.sync_threads(STATE_BARRIER + wg, 128)
                     T.barrier_wait(ready[s], (c // stages) % 2)
                     T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
                                  policy=T.GemmWarpPolicy.FullRow)
-                    if NC > 1 and c > 0:  # the previous (whole) chunk's O leaves while the product runs
-                        store_o_rows(o, o_s, t0 - C, h, v0, col, orow, C)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kst, num_regs=C // 2)
                     for d, i in T.Parallel(BV, C):
@@ -307,19 +292,20 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     T.warpgroup_fence_operand(st, num_regs=K // 2)
                     T.warpgroup_fence_operand(qst, num_regs=C // 2)
                     T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
-                    # O staged as rows, then stored 16 bytes a thread (at BV = 128 during the next chunk's first
-                    # product). Each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the
-                    # chunk's last tensor-core reads of st_b before the next chunk's writes.
+                    # O staged as rows, then stored 16 bytes a thread
+                    # (each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the chunk's
+                    # last tensor-core reads of st_b before the next chunk's writes)
                     if c > 0:
                         T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
                     for d, i in T.Parallel(BV, C):
                         o_s[i, d] = T.cast(qst[d, i], dt)
-                    if NC == 1:
-                        T.sync_threads(OUT_BARRIER + wg, 128)
-                        store_o_rows(o, o_s, t0, h, v0, col, orow, valid)
-                if NC > 1 and chunks > 0:  # the last chunk's O
                     T.sync_threads(OUT_BARRIER + wg, 128)
-                    store_o_rows(o, o_s, bos + (chunks - 1) * C, h, v0, col, orow, eos - bos - (chunks - 1) * C)
+                    col = wg * 64 + ct % 8 * 8
+                    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                        row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
+                        if row < valid:
+                            for u in T.vectorized(8):
+                                o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
                 if store_ht != 0:
                     for d, kk_ in T.Parallel(BV, K):
                         ht[n, h, kk_, v0 + d] = st[d, kk_]
