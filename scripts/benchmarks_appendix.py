@@ -114,6 +114,17 @@ gdn_fwd_st's (1.7) and a 128-column fused build does not fit the register file w
 rows keep the split path and its materialised Agb / P. `use_qk_l2norm_in_kernel` on the fused path is algebraic
 (1/|q_i|, 1/|k_i| from Q Q^T's and K K^T's diagonals as scalings; 2B-TP1 4096x8 with l2norm 0.39 ms vs 0.54 split).
 
+Forward, third session of 2026-11-22: a BV = 128 build of `gdn_fwd_fused` (two consumer warpgroups at 176
+registers, the bf16 state copy in shared memory as the A operand of K S and Q S instead of registers, the aux
+warpgroup at 136 with one product accumulator at a time, two stages): 3.44 us a chunk for 128 columns against
+2.35 for 64, bit-identical outputs to the BV = 64 build. Planned once 64-column chains would add waves
+(`planner.plan_fused_block_v`), it took the FlashInfer-led batched rows from 0.71-0.77x the best peer to 0.87-0.96x
+(TP1-397B 4096x8 1.19 -> 0.95 ms, 8192x4 1.11 -> 0.96, 16384+16384 1.12 -> 0.94; TP2 4096x8 0.56 -> 0.47; 2B-TP1
+4096x8 0.31 -> 0.24) and the forward geomean to 1.01x the best peer. TP1-397B 28672+4096 went 1.43 -> 1.56 ms (the
+planner assumes equal lengths: one wave of 448-chunk chains at 3.44 us). FlashInfer's equivalent chunk is ~3.2 us;
+ncu puts our consumers at ~8% waiting for the aux and latency-bound otherwise; deferring the O store and prefetching
+V^T / the per-token factors measured slower and were not kept.
+
 Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.304 ms (1.30x FlashQLA), 28672+4096 0.297, 16384+16384
 0.273, 1x8192 0.143; TP2 1x32768 0.810 (1.55x); 2B-TP1 1x32768 0.529, 28672+4096 0.521. The planner's constants and
 the measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.

@@ -8,12 +8,15 @@ Gamma * A * beta_col (the inverse of the gated K K^T is Gamma * A, chunk_inverse
 tril(Q K^T) by an aux warpgroup; gamma (the chunk-local cumsum of g), eg = exp(gamma) and et = exp(gamma_last -
 gamma) (0 past the end) by the producer warp.
 Warpgroups (threads):
-  consumer   one warpgroup, the transposed-state chain of gdn_fwd_st's out build on 64 V columns (BV = 64);
-  aux        one warpgroup: the chunk-local products and the inverse for the chunks ahead;
+  consumers  BV / 64 warpgroups, each the transposed-state chain of gdn_fwd_st's out build on 64 V columns. BV = 64:
+             the bf16 state copy (A operand of K S and Q S) in registers; BV = 128: in shared memory, which frees the
+             32 registers a thread that let the aux fit beside two consumers;
+  aux        one warpgroup: the chunk-local products and the inverse for the chunks ahead (BV = 128: one product
+             accumulator at a time);
   producer   one warp: q, k, v by TMA, g / beta by plain loads (0 past the sequence end), gamma, eg, et.
-Stage s (chunk c, s = c % STAGES): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumer: Agb, P
-written), empty[s] (consumer -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
-full[s], which the producer signals only after empty[s]: the consumer is done with that stage's previous chunk.
+Stage s (chunk c, s = c % STAGES): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumers: Agb, P
+written), empty[s] (consumers -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
+full[s], which the producer signals only after empty[s]: the consumers are done with that stage's previous chunk.
 Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last value), so every product stays
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
 """
@@ -24,16 +27,16 @@ from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS
 
 C = 64
-# One consumer warpgroup (BV = 64) only: with two (BV = 128) the register file leaves the aux warpgroup 72 per
-# thread, it spills and a chunk took 4.5 us on the H200 (bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
+# BV = 128 (two consumer warpgroups) took 4.5 us a chunk while the state copy lived in registers (the aux got 72 and
+# spilled); with it in shared memory 3.44 us (bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1]}
 VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
-OUT_ROWS_PER_PASS = 16   # the consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
-OUT_BARRIER = 8          # the consumer warpgroup's O staging
+OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
+OUT_BARRIER = 8          # + consumer warpgroup: its O staging
 AUX_BARRIER = 12         # the aux warpgroup's own
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
