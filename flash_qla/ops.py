@@ -173,9 +173,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     tag = _DTYPE_TAG[dt]
     h0 = initial_state.contiguous() if initial_state is not None else None
     L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    if saved is None and L is None and not want_gate_free_inverse and _take_fused(problem, tag, dev, use_qk_l2norm):
+    fused_bv = (_fused_block(problem, tag, dev, use_qk_l2norm)
+                if saved is None and L is None and not want_gate_free_inverse else None)
+    if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
-                               output_final_state, use_qk_l2norm, tag, stream)
+                               output_final_state, use_qk_l2norm, tag, fused_bv, stream)
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
     cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
@@ -243,24 +245,21 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
 
 
-def _take_fused(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> bool:
-    """gdn_fwd_fused for this plain forward (else gdn_prepare + gdn_fwd_st): pinned by USE_FUSED, else planned."""
-    if USE_FUSED is False or not _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v):
-        return False
-    if USE_FUSED:
-        return True
-    return prefer_fused(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v,
-                        _num_sms(device), _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm),
-                        _fused_block_v(problem, tag, device, l2norm))
-
-
-def _fused_block_v(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> int:
-    """gdn_fwd_fused's V block: FORCE_BLOCK_V when built, else planned (flash_qla/planner.py plan_fused_block_v)."""
+def _fused_block(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> Optional[int]:
+    """gdn_fwd_fused's V block for this plain forward, or None for gdn_prepare + gdn_fwd_st. The block is
+    FORCE_BLOCK_V when built, else planned (flash_qla/planner.py plan_fused_block_v) among the builds with this
+    l2norm flag; the path is pinned by USE_FUSED, else planned (prefer_fused at that block)."""
     built = _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v, int(l2norm))
-    if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
-        return FORCE_BLOCK_V
-    return plan_fused_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                              problem.head_dim_v, _num_sms(device), tuple(built), bool(l2norm))
+    if USE_FUSED is False or not built:
+        return None
+    tokens, sms = problem.batch * problem.tokens, _num_sms(device)
+    bv = (FORCE_BLOCK_V if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built else
+          plan_fused_block_v(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms, tuple(built),
+                             bool(l2norm)))
+    if USE_FUSED or prefer_fused(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms,
+                                 _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm), bv):
+        return bv
+    return None
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:
@@ -271,14 +270,14 @@ def _heads_per_cta(problem: Problem, device: torch.device) -> int:
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
-                   stream):
-    """The forward in one launch (gdn_fwd_fused): (o [T, Hv, V], final state or an empty tensor)."""
+                   bv: int, stream):
+    """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
     o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
     ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": _fused_block_v(problem, tag, dev, l2norm)}
+    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv}
     _launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},

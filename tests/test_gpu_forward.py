@@ -80,8 +80,7 @@ def launched_kernels(monkeypatch) -> list:
 @pytest.mark.parametrize("variant", variants())
 def test_forward_matches_fp64_reference(variant, case, path, monkeypatch):
     tag, K, V, BV = variant
-    monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    pin_path(monkeypatch, path, BV)
     kernels = launched_kernels(monkeypatch)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     for (hq, hv), h0 in (((2, 6), True), ((3, 3), False)):
@@ -129,8 +128,7 @@ def test_fused_l2norm_matches_fp64_reference(variant, path, monkeypatch):
     it loads and hands them to the output pass (GVA group of 3, so one v-head stores each group's rows), or
     gdn_fwd_fused applies 1 / |q_i|, 1 / |k_i| (from Q Q^T's and K K^T's diagonals) as scalings."""
     tag, K, V, BV = variant
-    monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
+    pin_path(monkeypatch, path, BV)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     x = draw(LENGTHS["mixed"], 2, 6, K, V, dtype, seed=K + V + 5)
     x["q"], x["k"] = (x["q"].float() * 3).to(dtype), (x["k"].float() * 0.5).to(dtype)
