@@ -126,6 +126,8 @@ def build(dtype: str, K: int, V: int):
             h_s = T.alloc_shared((K, BV), dt)
             dh_s = T.alloc_shared((K, BV), dt)
             gam_s = T.alloc_shared((C,), "float32")
+            eg_s = T.alloc_shared((C,), "float32")  # exp(gamma)
+            et_s = T.alloc_shared((C,), "float32")  # exp(gamma_last - gamma), 0 past the sequence end
             b_s = T.alloc_shared((C,), "float32")
             dg_s = T.alloc_shared((C,), "float32")
             dgc_s = T.alloc_shared((C,), "float32")  # the scan's output (not in place)
@@ -185,6 +187,10 @@ def build(dtype: str, K: int, V: int):
                     T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=loaded[0])
                     for i in T.Parallel(C):
                         gam_s[i] = gam_t[h, bc * C + i]
+                        # the state terms' row factors, once per head (not one exp2 per C x K element)
+                        eg_s[i] = T.exp2(gam_t[h, bc * C + i] * LOG2E)
+                        et_s[i] = T.if_then_else(
+                            i < valid, T.exp2((gam_t[h, bc * C + valid - 1] - gam_t[h, bc * C + i]) * LOG2E), 0.0)
                         b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
                         dg_s[i] = 0.0
                         db_s[i] = 0.0
@@ -226,7 +232,7 @@ def build(dtype: str, K: int, V: int):
                         T.sync_threads()
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc,
                                    h + 1, 0)
-                    T.reduce_sum(cc, rp, dim=1)
+                    T.reduce_sum(cc, rp, dim=1, batch=2)
                     for i in T.Parallel(C):
                         hd_s[i] = rp[i]
                     if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
@@ -235,19 +241,18 @@ def build(dtype: str, K: int, V: int):
                     # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
                     # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
                     for i, d in T.Parallel(C, K):
-                        dqf[i, d] = dqf[i, d] * (scale * T.exp2(gam_s[i] * LOG2E))
-                        dks[i, d] = T.if_then_else(
-                            i < valid, dks[i, d] * T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
-                        dkf[i, d] = dks[i, d] - dkf[i, d] * T.exp2(gam_s[i] * LOG2E)
+                        dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
+                        dks[i, d] = dks[i, d] * et_s[i]
+                        dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
                     # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state + q.dq -> r23
                     for i, d in T.Parallel(C, K):
                         dks[i, d] = dks[i, d] * k_s[i, d]
-                    T.reduce_sum(dks, r3, dim=1)
+                    T.reduce_sum(dks, r3, dim=1, batch=2)
                     for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
                         r3_s[i] = r3[i]
                     for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
                         dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
-                    T.reduce_sum(dks, r23, dim=1)
+                    T.reduce_sum(dks, r23, dim=1, batch=2)
                     for i in T.Parallel(C):
                         dg_s[i] += r23[i] - 2.0 * r3_s[i]
 
@@ -259,7 +264,7 @@ def build(dtype: str, K: int, V: int):
                         m_s[i, j] = T.cast(dP[i, j], dt)
                         cc[i, j] = dP[i, j] * cc[i, j]
                     # (cc keeps this product: its row sums join the A part's in one reduction)
-                    T.reduce_sum(cc, cp, dim=0)
+                    T.reduce_sum(cc, cp, dim=0, batch=8)
                     for i in T.Parallel(C):
                         dg_s[i] -= cp[i]
                     T.wgmma_gemm(m_s, k_s, dqf)
@@ -275,11 +280,11 @@ def build(dtype: str, K: int, V: int):
                         dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
                         cc[i, j] += dP[i, j] * b_s[j]
                         t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                    T.reduce_sum(cc, ra, dim=1)  # both parts' row sums
+                    T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
                     for i in T.Parallel(C):
                         dg_s[i] += ra[i]
                     # the A part's column sums are beta_j times dP's, which dbeta takes as they are
-                    T.reduce_sum(dP, dbc, dim=0)
+                    T.reduce_sum(dP, dbc, dim=0, batch=8)
                     for i in T.Parallel(C):
                         db_s[i] += dbc[i]
                         dg_s[i] -= dbc[i] * b_s[i]
@@ -296,7 +301,7 @@ def build(dtype: str, K: int, V: int):
                         dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
                         cc[i, j] = dP[i, j] * cc[i, j]
                         t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
-                    T.reduce_sum(cc, dbr, dim=1)
+                    T.reduce_sum(cc, dbr, dim=1, batch=2)
                     for i in T.Parallel(C):
                         db_s[i] += dbr[i]
                     T.wgmma_gemm(t_s, k_s, dkf)
@@ -315,7 +320,7 @@ def build(dtype: str, K: int, V: int):
                     # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
                     # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
                     if T.get_thread_binding() == 0:
-                        dg_s[valid - 1] += acc + T.exp2(gam_s[valid - 1] * LOG2E) * hh
+                        dg_s[valid - 1] += acc + eg_s[valid - 1] * hh
                     T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
                     for i in T.Parallel(C):
                         if i < valid:
