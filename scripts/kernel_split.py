@@ -7,6 +7,7 @@ PEERS_DIR "-" times ours on kernel_experiment's inputs without a staged peers di
 "TP8:1x8192@8" forces our intra-card CP with 8-chunk segments, which eager calls otherwise never plan)
 """
 import json
+import math
 import sys
 from collections import defaultdict
 
@@ -17,7 +18,7 @@ MODELS = {"TP8": (2, 8), "TP2": (8, 32), "TP1-397B": (16, 64), "2B-TP1": (16, 16
           "hk4_hv8": (4, 8)}
 SEQS = {"1x32768": [32768], "1x8192": [8192], "1x2048": [2048], "28672+4096": [28672, 4096],
         "16384+16384": [16384, 16384], "8192x4": [8192] * 4, "4096x8": [4096] * 8, "1024x8": [1024] * 8,
-        "8k_1seq": [8192], "32k_1seq": [32768]}
+        "8k_1seq": [8192], "32k_1seq": [32768], "8k_8seq": [1024] * 8, "32k_8seq": [4096] * 8}
 
 
 def split(fn, iters=10):
@@ -40,10 +41,12 @@ def split(fn, iters=10):
 
 
 def _own_inputs(lengths, hq, hv, dim):
-    """The standard matrix's inputs (scripts/kernel_experiment.py), in the peers' dict form."""
+    """The standard matrix's inputs (scripts/kernel_experiment.py), in the peers' dict form, with the bench's
+    gates (flash_qla.bench.inputs): a quarter of the v-heads never decay, which decides CP's fallback work."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from kernel_experiment import inputs
     q, k, v, g, beta, cu, h0 = inputs(hq, hv, lengths)
+    g[:, :, torch.randperm(hv, device=g.device)[: hv - math.ceil(0.75 * hv)]] = 0.0
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, h0=h0, scale=dim ** -0.5, do=torch.randn_like(v),
                 dht=torch.randn_like(h0) / 8)
 

@@ -22,7 +22,7 @@ import tilelang.language as T
 from .common import L2NORM_EPS, last_at_most
 
 C = 64
-BV = 64
+BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
@@ -39,15 +39,16 @@ def build(dtype: str, K: int, V: int):
     TC = T.dynamic("TC")
 
     @T.macro
-    def load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc, h, v0):
-        """The seven tiles of v-head h's V block at v0, by TMA on the CTA's mbarrier (arrival left to the caller)."""
-        T.tma_copy(do[t0:t0 + C, h, v0:v0 + BV], do_s, barrier=loaded[0])
-        T.tma_copy(w[t0:t0 + C, h, v0:v0 + BV], w_s, barrier=loaded[0])
-        T.tma_copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s, barrier=loaded[0])
-        T.tma_copy(x[t0:t0 + C, h, v0:v0 + BV], x_s, barrier=loaded[0])
-        T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s, barrier=loaded[0])
-        T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s, barrier=loaded[0])
-        T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s, barrier=loaded[0])
+    def load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, b, t0, bc, h, v0):
+        """The seven tiles of v-head h's V block at v0 into buffer b, by TMA on its mbarrier loaded[b] (arrival left
+        to the caller)."""
+        T.tma_copy(do[t0:t0 + C, h, v0:v0 + BV], do_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(w[t0:t0 + C, h, v0:v0 + BV], w_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(vnew[t0:t0 + C, h, v0:v0 + BV], vn_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(x[t0:t0 + C, h, v0:v0 + BV], x_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s[b, :, :], barrier=loaded[b])
+        T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s[b, :, :], barrier=loaded[b])
 
     E = K // 32  # a warp's lanes cover a row of K: E consecutive elements each
 
@@ -80,11 +81,11 @@ def build(dtype: str, K: int, V: int):
                 for u in T.vectorized(E):
                     out[t0 + row, hk, lane * E + u] = ov[u]
 
-    def fold_product(a, b, i, j):
-        """sum over kk = i (mod C) of a[kk, j] * b[kk, j], in fp32 (K is a multiple of C)."""
-        total = T.cast(a[i, j], "float32") * T.cast(b[i, j], "float32")
+    def fold_product(a, b, s, i, j):
+        """sum over kk = i (mod C) of a[s, kk, j] * b[s, kk, j], in fp32 (K is a multiple of C)."""
+        total = T.cast(a[s, i, j], "float32") * T.cast(b[s, i, j], "float32")
         for r in range(1, K // C):
-            total = total + T.cast(a[r * C + i, j], "float32") * T.cast(b[r * C + i, j], "float32")
+            total = total + T.cast(a[s, r * C + i, j], "float32") * T.cast(b[s, r * C + i, j], "float32")
         return total
 
     @T.prim_func
@@ -118,13 +119,13 @@ def build(dtype: str, K: int, V: int):
             a_s = T.alloc_shared((C, C), dt)
             m_s = T.alloc_shared((C, C), dt)
             t_s = T.alloc_shared((C, C), dt)
-            do_s = T.alloc_shared((C, BV), dt)
-            w_s = T.alloc_shared((C, BV), dt)
-            vn_s = T.alloc_shared((C, BV), dt)
-            x_s = T.alloc_shared((C, BV), dt)
-            dw_s = T.alloc_shared((C, BV), dt)
-            h_s = T.alloc_shared((K, BV), dt)
-            dh_s = T.alloc_shared((K, BV), dt)
+            do_s = T.alloc_shared((2, C, BV), dt)
+            w_s = T.alloc_shared((2, C, BV), dt)
+            vn_s = T.alloc_shared((2, C, BV), dt)
+            x_s = T.alloc_shared((2, C, BV), dt)
+            dw_s = T.alloc_shared((2, C, BV), dt)
+            h_s = T.alloc_shared((2, K, BV), dt)
+            dh_s = T.alloc_shared((2, K, BV), dt)
             gam_s = T.alloc_shared((C,), "float32")
             eg_s = T.alloc_shared((C,), "float32")  # exp(gamma)
             et_s = T.alloc_shared((C,), "float32")  # exp(gamma_last - gamma), 0 past the sequence end
@@ -142,6 +143,9 @@ def build(dtype: str, K: int, V: int):
             dP = T.alloc_fragment((C, C), "float32")
             dAgb = T.alloc_fragment((C, C), "float32")
             cc = T.alloc_fragment((C, C), "float32")
+            # its own fragment (spread over all threads): on cc's columns only the first warpgroup would fold, a
+            # divergent branch between the wgmmas' issue and wait, which makes ptxas serialise them
+            hf = T.alloc_fragment((C, BV), "float32")
             r23 = T.alloc_fragment((C,), "float32")
             r3 = T.alloc_fragment((C,), "float32")
             rp = T.alloc_fragment((C,), "float32")
@@ -157,12 +161,13 @@ def build(dtype: str, K: int, V: int):
             t0 = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             valid = T.alloc_var("int32")
-            phase = T.alloc_var("int32")
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
             red = T.alloc_local((2,), "float32")
-            loaded = T.alloc_barrier(THREADS)
+            loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
+            qk_bar = T.alloc_barrier(THREADS)
+            a_bar = T.alloc_barrier(THREADS)  # each head's A tile
 
             seq[1] = N
             last_at_most(chunk_offsets, bc, seq)  # this chunk's sequence
@@ -172,19 +177,20 @@ def build(dtype: str, K: int, V: int):
                 valid = T.min(eos - t0, C)
                 # Every tile arrives by TMA on one mbarrier (one elected thread issues, all threads wait): the
                 # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
-                phase = 0
-                T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=loaded[0])
-                T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=loaded[0])
-                T.barrier_arrive(loaded[0])
-                T.mbarrier_wait_parity(loaded[0], phase)
-                phase = phase ^ 1
-                for r in T.serial(Hv // Hq):  # the group's v-heads in order: deterministic sums
-                    h = hk * (Hv // Hq) + r
-                    # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it;
-                    # it lands with the first V block's tiles
+                R = Hv // Hq
+                NB = V // BV
+                T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
+                T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
+                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, 0, t0, bc,
+                           hk * R, 0)
+                T.barrier_arrive(qk_bar[0])
+                T.mbarrier_wait_parity(qk_bar[0], 0)
+                for r in T.serial(R):  # the group's v-heads in order: deterministic sums
+                    h = hk * R + r
+                    # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it
                     T.fence_proxy_async()
                     T.sync_threads()
-                    T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=loaded[0])
+                    T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=a_bar[0])
                     for i in T.Parallel(C):
                         gam_s[i] = gam_t[h, bc * C + i]
                         # the state terms' row factors, once per head (not one exp2 per C x K element)
@@ -199,27 +205,27 @@ def build(dtype: str, K: int, V: int):
                     T.clear(dks)
                     T.clear(dP)
                     T.clear(dAgb)
-                    T.clear(cc)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x C
-                    for vb in T.serial(V // BV):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
-                        v0 = vb * BV
-                        if vb > 0 or r == 0:  # a later head's first block was prefetched behind the previous tail
+                    T.clear(hf)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x BV
+                    for vb in T.serial(NB):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
+                        blk = r * NB + vb  # the CTA's running block count: buffer blk % 2, its use blk // 2
+                        b = blk % 2
+                        if blk + 1 < R * NB:  # the next block (of this head or the next) into the other buffer
                             T.fence_proxy_async()
-                            T.sync_threads()  # the previous block's products are done with these tiles
-                            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0,
-                                       bc, h, v0)
-                        T.barrier_arrive(loaded[0])
-                        T.mbarrier_wait_parity(loaded[0], phase)
-                        phase = phase ^ 1
+                            T.sync_threads()  # block blk - 1's products and folds are done with that buffer
+                            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                       loaded, 1 - b, t0, bc, hk * R + (blk + 1) // NB, ((blk + 1) % NB) * BV)
+                        T.barrier_arrive(loaded[b])
+                        T.mbarrier_wait_parity(loaded[b], (blk // 2) % 2)
                         # the five products issued back to back, one wait (each T.gemm waited for its own)
-                        T.wgmma_gemm(do_s, h_s, dqf, transpose_B=True)
-                        T.wgmma_gemm(dw_s, h_s, dkf, transpose_B=True)
-                        T.wgmma_gemm(vn_s, dh_s, dks, transpose_B=True)
-                        T.wgmma_gemm(do_s, vn_s, dP, transpose_B=True)
-                        T.wgmma_gemm(x_s, w_s, dAgb, transpose_B=True)
+                        T.wgmma_gemm(do_s[b, :, :], h_s[b, :, :], dqf, transpose_B=True)
+                        T.wgmma_gemm(dw_s[b, :, :], h_s[b, :, :], dkf, transpose_B=True)
+                        T.wgmma_gemm(vn_s[b, :, :], dh_s[b, :, :], dks, transpose_B=True)
+                        T.wgmma_gemm(do_s[b, :, :], vn_s[b, :, :], dP, transpose_B=True)
+                        T.wgmma_gemm(x_s[b, :, :], w_s[b, :, :], dAgb, transpose_B=True)
                         # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto cc's C (formerly a
                         # K-deep product S^T dS' whose trace was taken)
                         for i, j in T.Parallel(C, BV):
-                            cc[i, j] += fold_product(h_s, dh_s, i, j)
+                            hf[i, j] += fold_product(h_s, dh_s, b, i, j)
                         T.wait_wgmma(0)
                         # no use of an accumulator may move above the wait
                         T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
@@ -227,12 +233,9 @@ def build(dtype: str, K: int, V: int):
                         T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
                         T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                         T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
-                    if r + 1 < Hv // Hq:  # the next head's first V block loads while this head's tail computes
-                        T.fence_proxy_async()
-                        T.sync_threads()
-                        load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, t0, bc,
-                                   h + 1, 0)
-                    T.reduce_sum(cc, rp, dim=1, batch=2)
+                    T.barrier_arrive(a_bar[0])
+                    T.mbarrier_wait_parity(a_bar[0], r % 2)
+                    T.reduce_sum(hf, rp, dim=1)
                     for i in T.Parallel(C):
                         hd_s[i] = rp[i]
                     if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)

@@ -81,6 +81,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
             T.annotate_layout({do_s: make_swizzled_layout(do_s)})
             dS = T.alloc_fragment((K, BV), "float32")
             xf = T.alloc_fragment((C, BV), "float32")
+            xp = T.alloc_fragment((C, BV), "float32")  # P^T dO
             dw = T.alloc_fragment((C, BV), "float32")
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
@@ -124,22 +125,35 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
-                T.copy(dS, ds_s)
-                if chain:
-                    T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
-                T.gemm(k_s, ds_s, xf, clear_accum=True)
-                if trans:
-                    for i, d in T.Parallel(C, BV):
-                        xf[i, d] = xf[i, d] * et_s[i]
-                else:
+                # off the chain first: dO masked / scaled (needs only this chunk's tiles)
+                if not trans:
                     for i, d in T.Parallel(C, BV):
                         dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
                         dos_s[i, d] = T.if_then_else(
                             i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
-                        xf[i, d] = xf[i, d] * et_s[i]
-                    T.gemm(p_s, dom_s, xf, transpose_A=True)
-                for i, d in T.Parallel(C, BV):
-                    x_s[i, d] = T.cast(xf[i, d], dt)
+                T.copy(dS, ds_s)
+                if chain:
+                    T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
+                for kk, d in T.Parallel(K, BV):
+                    dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
+                # one batch of products: dS's dO term, P^T dO and K dS' (the et factor goes on in the X pass,
+                # so the dO terms need no pass of their own between products)
+                T.fence_proxy_async()
+                T.sync_threads()
+                if not trans:
+                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True)
+                    T.wgmma_gemm(p_s, dom_s, xp, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(k_s, ds_s, xf, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dS, num_regs=K * BV // THREADS)
+                T.warpgroup_fence_operand(xf, num_regs=C * BV // THREADS)
+                if trans:
+                    for i, d in T.Parallel(C, BV):
+                        x_s[i, d] = T.cast(xf[i, d] * et_s[i], dt)
+                else:
+                    T.warpgroup_fence_operand(xp, num_regs=C * BV // THREADS)
+                    for i, d in T.Parallel(C, BV):
+                        x_s[i, d] = T.cast(xf[i, d] * et_s[i] + xp[i, d], dt)
                 T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
@@ -147,10 +161,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         if i < valid:
                             x[t0 + i, h, v0 + d] = x_s[i, d]
                             dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
-                for kk, d in T.Parallel(K, BV):
-                    dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
-                if not trans:
-                    T.gemm(q_s, dos_s, dS, transpose_A=True)
                 T.gemm(k_s, dwe_s, dS, transpose_A=True)
             if store_dh0 != 0 or not chain:
                 T.copy(dS, dh0[n, h, :, v0:v0 + BV])
