@@ -165,6 +165,7 @@ def build(dtype: str, K: int, V: int):
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
             red = T.alloc_local((2,), "float32")
+            rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
@@ -178,6 +179,7 @@ def build(dtype: str, K: int, V: int):
                 # Every tile arrives by TMA on one mbarrier (one elected thread issues, all threads wait): the
                 # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
                 R = Hv // Hq
+                tid = T.get_thread_binding()
                 NB = V // BV
                 T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
                 T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
@@ -191,15 +193,17 @@ def build(dtype: str, K: int, V: int):
                     T.fence_proxy_async()
                     T.sync_threads()
                     T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=a_bar[0])
-                    for i in T.Parallel(C):
-                        gam_s[i] = gam_t[h, bc * C + i]
-                        # the state terms' row factors, once per head (not one exp2 per C x K element)
-                        eg_s[i] = T.exp2(gam_t[h, bc * C + i] * LOG2E)
-                        et_s[i] = T.if_then_else(
-                            i < valid, T.exp2((gam_t[h, bc * C + valid - 1] - gam_t[h, bc * C + i]) * LOG2E), 0.0)
-                        b_s[i] = T.if_then_else(i < valid, beta[t0 + i, h], 0.0)
-                        dg_s[i] = 0.0
-                        db_s[i] = 0.0
+                    # this head's row scalars into registers now, into shared memory after the V blocks: the
+                    # epilogue is their first use, so the V blocks' products hide the global-load latency (as a
+                    # load-then-store loop here, two warps held every warp's next barrier for it: ncu)
+                    rowv[0] = 0.0
+                    rowv[1] = 0.0
+                    rowv[2] = 0.0
+                    if tid < C:
+                        rowv[0] = gam_t[h, bc * C + tid]
+                        rowv[1] = gam_t[h, bc * C + valid - 1]
+                        if tid < valid:
+                            rowv[2] = beta[t0 + tid, h]
                     T.clear(dqf)
                     T.clear(dkf)
                     T.clear(dks)
@@ -233,6 +237,14 @@ def build(dtype: str, K: int, V: int):
                         T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
                         T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                         T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
+                    if tid < C:
+                        gam_s[tid] = rowv[0]
+                        # the state terms' row factors, once per head (not one exp2 per C x K element)
+                        eg_s[tid] = T.exp2(rowv[0] * LOG2E)
+                        et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
+                        b_s[tid] = rowv[2]
+                        dg_s[tid] = 0.0
+                        db_s[tid] = 0.0
                     T.barrier_arrive(a_bar[0])
                     T.mbarrier_wait_parity(a_bar[0], r % 2)
                     T.reduce_sum(hf, rp, dim=1)
