@@ -157,11 +157,26 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                 T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
-                    if chain:
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(k_s, dwe_s, dS, transpose_A=True)
+                # X and dV go out while that product runs: stored before the fence above, they held it (the
+                # fence waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu)
+                if chain:
+                    for i, d in T.Parallel(C, BV):
                         if i < valid:
                             x[t0 + i, h, v0 + d] = x_s[i, d]
                             dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
-                T.gemm(k_s, dwe_s, dS, transpose_A=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dS, num_regs=K * BV // THREADS)
+                # TileLang hands a pipeline stage back to the producer after the last statement that names its
+                # tiles, unaware that the products above are asynchronous: this never-taken read names the tiles
+                # they read after the wait, so the producer cannot refill them while a product still reads them
+                if valid < 0:
+                    if trans:
+                        x_s[0, 0] = k_s[0, 0]
+                    else:
+                        x_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
             if store_dh0 != 0 or not chain:
                 T.copy(dS, dh0[n, h, :, v0:v0 + BV])
 

@@ -105,13 +105,24 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                     vn_s[i, d] = T.cast(vn[i, d], dt)
                     vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
                 T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
+                for kk, d in T.Parallel(K, BV):
+                    S[kk, d] = S[kk, d] * eg_s[valid - 1]
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(k_s, vd_s, S, transpose_A=True)
+                # W and Vnew go out while the state update runs: stored before its fence, they held it (the fence
+                # waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu on gdn_bwd_dh)
                 for i, d in T.Parallel(C, BV):
                     if i < valid:
                         w[t0 + i, h, v0 + d] = w_s[i, d]
                         vnew[t0 + i, h, v0 + d] = vn_s[i, d]
-                for kk, d in T.Parallel(K, BV):
-                    S[kk, d] = S[kk, d] * eg_s[valid - 1]
-                T.gemm(k_s, vd_s, S, transpose_A=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(S, num_regs=K * BV // THREADS)
+                # TileLang hands a pipeline stage back to the producer after the last statement that names its
+                # tiles, unaware that the product above is asynchronous: this never-taken read names k after the
+                # wait, so the producer cannot refill it while the product still reads it
+                if valid < 0:
+                    w_s[0, 0] = k_s[0, 0]
             if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])
 
