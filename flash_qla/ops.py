@@ -12,6 +12,7 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -238,8 +239,12 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
         bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
-        _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,
-                stream)
+        save_chain = functools.partial(_launch, FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"},
+                                       dev, chain_sizes, pointers)
+        if saved.get("defer_save_chain"):  # the caller launches it, with the tensors only its pointers hold
+            saved["save_chain"] = (save_chain, (h_in,) if L is not None else ())
+        else:
+            save_chain(stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)
@@ -287,8 +292,8 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
     return o, ht
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    key = ("side", device.index)
+def _side_stream(device: torch.device, name: str = "side") -> torch.cuda.Stream:
+    key = (name, device.index)
     if key not in _CACHE:
         _CACHE[key] = torch.cuda.Stream(device)
     return _CACHE[key]
