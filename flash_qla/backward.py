@@ -1,7 +1,8 @@
 """The sm_90a GDN backward: recompute, reverse state recurrence, chunk-parallel gradients.
 
 1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
-   stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward.
+   stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward. The save
+   build runs on a side stream beside step 2, which reads only gdn_prepare's outputs.
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
    segments, from gradients a reverse warm-up pre-pass and a reverse combine give them.

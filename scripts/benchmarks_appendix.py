@@ -48,8 +48,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.53, gdn_bwd_dh 0.32, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.22) = 1.16 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq (eager profile) | gdn_bwd_chunk 0.52, gdn_bwd_dh with reverse CP 0.50 (pre-pass and segments), recompute with CP (save build 0.15, pre-pass 0.13, prepare 0.08), gdn_cp_plan 0.08 + combines 0.06 = 1.53 | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.31, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.21) = 1.03 when run one after another; with the save build beside the dh chain (side stream) the dh chain stretches to 0.52 and the total stays ~1.07 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (eager profile) | gdn_bwd_dh with reverse CP 0.52 (pre-pass and segments), gdn_bwd_chunk 0.42, recompute with CP (save build 0.14, pre-pass 0.12, prepare 0.08), gdn_cp_plan 0.074 + combines 0.059 = 1.43 | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
@@ -67,7 +67,22 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-This session (backward, H200 graph medians; `bench/results/experiments/bwd_*`):
+Latest session (backward; H200 graph medians of the bwd bench after each step in
+`bench/results/experiments/bwd_bench_step*_h200.jsonl`, per-kernel splits in `bwd_kernel_split_steps_h200.jsonl`,
+the mapping in `bwd_session_steps_h200.md`): geomean x FlashQLA 0.67 -> 0.78 (min 0.53 -> 0.65), 1/8 rows above it.
+- gdn_bwd_chunk: batched reductions (one AllReduce call per reduction; the column sums had a barrier round per output
+  element), exp(gamma) factors once per row: 0.53 -> 0.49 ms (hk16_hv32 8k_1seq). Its V-block tiles double-buffered
+  (BV 32: block b + 1 loads while block b computes) and each head's gamma / beta loaded into registers at the head's
+  start but written to shared memory after its V blocks (two warps had held every warp's next barrier on that
+  global-load latency, 10% of stall samples): 0.49 -> 0.42.
+- gdn_bwd_dh / gdn_fwd's save build: the chunk's dO products issued with K dS' in one batch, and the last product
+  (the state update) issued before the X / dV (W / Vnew) stores, which the fence before it had waited for
+  (MEMBAR.ALL.CTA): rows 3-7%.
+- The save chain on a side stream beside the dh chain (both read only gdn_prepare's outputs; their CTAs fit on one SM
+  together): hk4_hv8 8k_8seq 0.485 -> 0.381 ms (1.05x FlashQLA), 32k_8seq 1.476 -> 1.298, hk16_hv32 32k_8seq 3.65 ->
+  3.52; single-sequence rows unchanged (the two chains then slow each other about as much as they overlap).
+
+Earlier session (forward):
 - Reverse intra-card CP for the dh chain: gdn_cp_plan's bidirectional walk gives each segment's reverse warm-up
   (the fewest leading chunks of the next segment whose summed g reaches -10) or the exact fallback; gdn_bwd_dh's
   state / trans builds give the warm-up gradients and the transposed transitions M^T; gdn_cp_combine walks last
@@ -129,13 +144,14 @@ Low-parallelism rows use intra-card CP (graph): TP8 1x32768 0.304 ms (1.30x Flas
 0.273, 1x8192 0.143; TP2 1x32768 0.810 (1.55x); 2B-TP1 1x32768 0.529, 28672+4096 0.521. The planner's constants and
 the measurements behind them are in `flash_qla/cp.py` and `bench/results/experiments/`.
 
-Backward (0.67x FlashQLA geomean): the design is three passes over memory where FlashQLA fuses the dh recurrence into
-its chunk kernel. gdn_bwd_chunk (one CTA per SM: 229 registers at 256 threads, 210 KB smem; 7 cross-warp reductions a
-head, each a few CTA barriers) is ~45% of the many-head rows; gdn_bwd_dh (2.5 us a chunk, 5 dependent GEMMs through
-shared memory) and the recompute's save build the rest. Closing the gap needs the fused design (dS carried in
-registers across a segment's chunks, no dhs / X / dV round trip) or a chunk kernel with reductions staged through
-shared memory in one barrier each; the 32k_8seq rows would also take CP if the planner knew the longest sequence
-(it assumes equal lengths to avoid a host synchronisation).
+Backward ({sb['qla']:.2f}x FlashQLA geomean): still three passes over memory where FlashQLA fuses the dh recurrence into
+its chunk kernel. gdn_bwd_chunk (one CTA per SM: 207 registers at 256 threads, 222 KB smem) is ~40% of the many-head
+rows and is latency-bound in its per-head epilogue (a chain of small products, row / column reductions and elementwise
+passes with 8 warps); gdn_bwd_dh (2.4 us a chunk at BV 32) and the recompute's save build the rest. Closing the gap
+needs the fused design (dS carried in registers across a segment's chunks, no dhs / X / dV round trip, the chunk
+gradients split across warpgroups so their latency chains overlap); the 32k_8seq rows would also take CP if the
+planner knew the longest sequence (it assumes equal lengths to avoid a host synchronisation); gdn_cp_plan (0.074 ms
+a backward on hk4_hv8 32k_1seq, one CTA) is a small, separate win.
 """
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text()
