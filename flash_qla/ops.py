@@ -242,7 +242,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         save_chain = functools.partial(_launch, FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"},
                                        dev, chain_sizes, pointers)
         if saved.get("defer_save_chain"):  # the caller launches it, with the tensors only its pointers hold
-            saved["save_chain"] = (save_chain, (h_in,) if L is not None else ())
+            # v / h0 may be copies made here (non-contiguous inputs) and h_in is CP's: nothing else holds them
+            saved["save_chain"] = (save_chain, tuple(t for t in (vp, h0, h_in if L is not None else None)
+                                                     if t is not None))
         else:
             save_chain(stream)
     shape = (problem.batch, problem.tokens)
