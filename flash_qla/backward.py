@@ -32,22 +32,17 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht).
     dg is with respect to the raw g; dh0 is None without an initial state."""
     dt = q.dtype
-    saved: dict = {"defer_save_chain": True}
+    saved: dict = {}
+    # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: the save
+    # chain runs on a side stream beside the dh chain (fork / join by events, parallel branches in a CUDA graph);
+    # their CTAs fit on one SM together, so the two latency-bound chains share the SMs
+    main, side = torch.cuda.current_stream(q.device), ops._side_stream(q.device, "save_chain")
     with torch.no_grad():
         ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
-                    want_gate_free_inverse=True, saved=saved)
+                    want_gate_free_inverse=True, saved=saved, save_stream=side)
         do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
-        # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: the save
-        # chain runs on a side stream beside the dh chain (fork / join by events, parallel branches in a CUDA
-        # graph); their CTAs fit on one SM together, so the two latency-bound chains share the SMs
-        main, side = torch.cuda.current_stream(q.device), ops._side_stream(q.device, "save_chain")
-        save_chain, keep = saved.pop("save_chain")
-        side.wait_stream(main)
-        save_chain(side.cuda_stream)
-        for t in keep:  # held only by the launch's pointers: not reused before the side stream is done with them
-            t.record_stream(side)
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht, initial_state is not None)
-        main.wait_stream(side)
+        main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (ops._dense(q), ops._dense(k)) if use_qk_l2norm else None
         dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
     shape = (problem.batch, problem.tokens)

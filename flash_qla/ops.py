@@ -12,7 +12,6 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Tuple
 
@@ -156,12 +155,14 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 
 
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-            want_gate_free_inverse: bool = False, saved: Optional[dict] = None):
+            want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
+            save_stream: Optional[torch.cuda.Stream] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
     the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
-    et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag)."""
+    et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
+    build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -239,14 +240,14 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
         bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
-        save_chain = functools.partial(_launch, FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"},
-                                       dev, chain_sizes, pointers)
-        if saved.get("defer_save_chain"):  # the caller launches it, with the tensors only its pointers hold
-            # v / h0 may be copies made here (non-contiguous inputs) and h_in is CP's: nothing else holds them
-            saved["save_chain"] = (save_chain, tuple(t for t in (vp, h0, h_in if L is not None else None)
-                                                     if t is not None))
-        else:
-            save_chain(stream)
+        if save_stream is not None:
+            save_stream.wait_stream(torch.cuda.current_stream(dev))
+        _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,
+                save_stream.cuda_stream if save_stream is not None else stream)
+        if save_stream is not None:  # v / h0 may be copies made here and h_in is CP's: only the launch holds them
+            for buf in (vp, h0, h_in if L is not None else None):
+                if buf is not None:
+                    buf.record_stream(save_stream)
     shape = (problem.batch, problem.tokens)
     A = A.view(*shape, Hv, CHUNK) if A is not None else None
     return o.view(*shape, Hv, V), ht, A, (cu, offsets)

@@ -3,7 +3,7 @@
 Inputs are what the recompute pass (gdn_prepare, gdn_fwd save build) and the reverse recurrence
 (gdn_bwd_dh) left in memory: A (gate-free inverse), gamma, the chunk's entering state S and leaving-state
 gradient dS', W, Vnew, X = dL/dVnew, dW = dL/dV and dO. The math is
-flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in blocks of 64:
+flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in blocks of BV:
     dq  = scale eg * (dO S^T) + dPs K              dPs  = scale Gamma * tril(dO Vnew^T)
     dk  = -eg * (dW S^T) + et * (Vnew dS'^T) + dPs^T Q + dLb K + dLb^T K
     dAgb = tril(X W^T), dA = dAgb Gamma beta_col, dL = -strictLower(A^T dA A^T), dLb = beta_row dL
@@ -176,7 +176,7 @@ def build(dtype: str, K: int, V: int):
                 t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
                 eos = cu_seqlens[seq[0] + 1]
                 valid = T.min(eos - t0, C)
-                # Every tile arrives by TMA on one mbarrier (one elected thread issues, all threads wait): the
+                # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
                 # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
                 R = Hv // Hq
                 tid = T.get_thread_binding()
@@ -226,7 +226,7 @@ def build(dtype: str, K: int, V: int):
                         T.wgmma_gemm(vn_s[b, :, :], dh_s[b, :, :], dks, transpose_B=True)
                         T.wgmma_gemm(do_s[b, :, :], vn_s[b, :, :], dP, transpose_B=True)
                         T.wgmma_gemm(x_s[b, :, :], w_s[b, :, :], dAgb, transpose_B=True)
-                        # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto cc's C (formerly a
+                        # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto hf's C (formerly a
                         # K-deep product S^T dS' whose trace was taken)
                         for i, j in T.Parallel(C, BV):
                             hf[i, j] += fold_product(h_s, dh_s, b, i, j)
