@@ -11,7 +11,7 @@ from typing import Dict, List
 from .hashing import sha256_bytes, source_hash
 from .manifest_io import KERNEL_DIR, load_manifest, read_cubin, write_cubin, write_manifest
 from .toolchain import minimum_driver, nvcc_version, tilelang_version
-from .variants import ROOT, Variant, all_variants, build_prim_func, pass_configs
+from .variants import ROOT, Variant, module_constant, all_variants, build_prim_func, pass_configs
 
 
 def _compile_one(v: Variant) -> Dict:
@@ -22,6 +22,15 @@ def _compile_one(v: Variant) -> Dict:
     return {"cubin": ck.cubin, "symbol": ck.symbol, "block": ck.block, "grid": ck.grid, "smem": ck.smem,
             "params": ck.params, "registers": ck.registers, "spills": ck.spills,
             "compile_seconds": round(ck.compile_seconds, 2)}
+
+
+def _with_carveout(entry: Dict) -> Dict:
+    """The entry with its kernel module's SHARED_CARVEOUT (percent), if the module declares one."""
+    entry = {k: v for k, v in entry.items() if k != "shared_carveout"}
+    carveout = module_constant(entry["kernel"], "SHARED_CARVEOUT")
+    if carveout is not None:
+        entry["shared_carveout"] = int(carveout)
+    return entry
 
 
 def _is_current(entry: Dict, want_hash: str) -> bool:
@@ -63,7 +72,7 @@ def build(subset: str = "full", jobs: int = 0, force: bool = False) -> List[Dict
                 old[v.key] = entry
                 rows.append(dict(entry, cached=False))
     keep = {v.key for v in all_variants("full")}
-    manifest["kernels"] = [e for k, e in old.items() if k in keep]
+    manifest["kernels"] = [_with_carveout(e) for k, e in old.items() if k in keep]
     manifest["toolchain"] = {"tilelang": tl_ver, "nvcc": nv_ver, "min_driver_api": api, "min_driver": branch}
     if todo or not manifest.get("build_date"):
         manifest["build_date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

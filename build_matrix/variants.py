@@ -37,7 +37,7 @@ class Variant:
         return KERNEL_DIR / f"{self.kernel}.py"
 
 
-def _module_constant(kernel: str, name: str):
+def module_constant(kernel: str, name: str):
     """A literal module-level constant of a kernel module, read without importing TileLang."""
     import ast
     tree = ast.parse((KERNEL_DIR / f"{kernel}.py").read_text())
@@ -48,7 +48,7 @@ def _module_constant(kernel: str, name: str):
 
 
 def declared_axes(kernel: str) -> Dict[str, list]:
-    axes = _module_constant(kernel, "VARIANTS")
+    axes = module_constant(kernel, "VARIANTS")
     if axes is None:
         raise LookupError(f"aot/kernels/{kernel}.py declares no VARIANTS")
     return axes
@@ -63,7 +63,7 @@ def all_variants(subset: str = "full") -> List[Variant]:
     out = []
     for kernel in KERNELS:
         axes = declared_axes(kernel)
-        rule = _module_constant(kernel, "VARIANT_RULE")
+        rule = module_constant(kernel, "VARIANT_RULE")
         for values in itertools.product(*axes.values()):
             v = Variant(kernel, tuple(zip(axes.keys(), values)))
             if not _allowed(rule, v.params):
@@ -77,7 +77,7 @@ def all_variants(subset: str = "full") -> List[Variant]:
 
 def pass_configs(v: Variant) -> Dict[str, object]:
     """A kernel module's optional PASS_CONFIGS: TileLang pass options that module's builds need."""
-    return dict(_module_constant(v.kernel, "PASS_CONFIGS") or {})
+    return dict(module_constant(v.kernel, "PASS_CONFIGS") or {})
 
 
 def build_prim_func(v: Variant):

@@ -14,7 +14,7 @@
  *   device_name(ordinal) -> str
  *   load_module(ordinal, cubin: bytes) -> module   into the current context if it is on that device, else
  *                                                  into the device's primary context (retained for good)
- *   get_function(module, symbol: str, dyn_smem: int) -> function
+ *   get_function(module, symbol: str, dyn_smem: int, carveout: int = -1) -> function
  *   launch(function, grid3, block3, smem, stream, signature, args) -> None
  *   tensormap_cache_info() -> (hits, misses, entries)
  *   clear_tensormap_cache() -> None
@@ -63,6 +63,7 @@ typedef struct { _Alignas(64) uint64_t opaque[16]; } CUtensorMap; /* 128 bytes, 
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
+#define CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT 9
 #define CU_GET_PROC_ADDRESS_LEGACY_STREAM 1
 #define FQ_REQUEST_VERSION 12000
 #define FQ_NEEDED_DRIVER_API 12000 /* cuTensorMapEncodeTiled appeared in CUDA 12.0 */
@@ -288,7 +289,7 @@ static int get_device_locked(int ordinal, CUdevice *dev) {
 #define MAX_DEVICES 64
 static CUcontext g_primary[MAX_DEVICES];
 
-typedef struct { void *handle; CUcontext ctx; int smem_set; } HandleCtx;
+typedef struct { void *handle; CUcontext ctx; int smem_set; int carveout_set; } HandleCtx;
 static HandleCtx *g_modules = NULL, *g_functions = NULL;
 static size_t g_n_modules = 0, g_cap_modules = 0, g_n_functions = 0, g_cap_functions = 0;
 
@@ -305,6 +306,7 @@ static int remember(HandleCtx **arr, size_t *n, size_t *cap, void *handle, CUcon
     (*arr)[*n].handle = handle;
     (*arr)[*n].ctx = ctx;
     (*arr)[*n].smem_set = 0;
+    (*arr)[*n].carveout_set = 0;
     (*n)++;
     return 0;
 }
@@ -453,7 +455,10 @@ static PyObject *py_get_function(PyObject *self, PyObject *args) {
     PyObject *mod_obj;
     const char *symbol;
     long long smem;
-    if (!PyArg_ParseTuple(args, "OsL:get_function", &mod_obj, &symbol, &smem)) return NULL;
+    int carveout = -1;
+    if (!PyArg_ParseTuple(args, "OsL|i:get_function", &mod_obj, &symbol, &smem, &carveout)) return NULL;
+    if (carveout < -1 || carveout > 100)
+        return PyErr_Format(PyExc_ValueError, "get_function: bad shared-memory carveout %d (-1, or 0..100)", carveout);
     CUmodule mod = (CUmodule)PyLong_AsVoidPtr(mod_obj);
     if (mod == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "get_function: null module handle");
@@ -485,6 +490,17 @@ static PyObject *py_get_function(PyObject *self, PyObject *args) {
                                  smem);
                     else
                         f->smem_set = (int)smem;
+                }
+                /* The manifest's shared-memory carveout (percent), for kernels meant to share SMs with another
+                   kernel: an SM's L1 / shared split follows the kernel it runs, and a CTA that needs more shared
+                   memory than that split cannot join the SM until it drains. */
+                if (!PyErr_Occurred() && carveout >= 0 && f->carveout_set != carveout + 1) {
+                    rc = cu.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout);
+                    if (rc != CUDA_SUCCESS)
+                        raise_cu(rc, "cuFuncSetAttribute(%s, PREFERRED_SHARED_MEMORY_CARVEOUT, %d) failed", symbol,
+                                 carveout);
+                    else
+                        f->carveout_set = carveout + 1;
                 }
                 if (!PyErr_Occurred()) result = PyLong_FromVoidPtr(fn);
             }
@@ -825,7 +841,8 @@ static PyMethodDef methods[] = {
      "load_module(ordinal, cubin: bytes) -> int: cuModuleLoadData in the current context when it is on that device, "
      "else in the device's primary context."},
     {"get_function", py_get_function, METH_VARARGS,
-     "get_function(module, symbol, dyn_smem) -> int: cuModuleGetFunction; raises the max dynamic smem attribute "
+     "get_function(module, symbol, dyn_smem, carveout=-1) -> int: cuModuleGetFunction; sets the shared-memory carveout "
+     "(percent) when carveout >= 0, and raises the max dynamic smem attribute "
      "once when dyn_smem > 48 KiB."},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL,
      "launch(function, grid, block, smem, stream, signature, args) -> None: cuLaunchKernel on `stream`. "

@@ -69,19 +69,20 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool
                 "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
                 "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
                 "dhs": dhs.data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(), "dh0": dhs.data_ptr(),
-                "rend": saved["offsets"].data_ptr(), "rfallback": saved["offsets"].data_ptr()}
-    sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0))
+                "rend": saved["offsets"].data_ptr(), "rfallback": saved["offsets"].data_ptr(),
+                "seq_order": saved["order"].data_ptr()}
+    sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0), ordered=1)
     chains, seg = None, None
     if "cp" in saved:
         seg, rend, rfallback = saved["cp"]
         pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(),
                         rfallback=rfallback.data_ptr())
         ds_out = ops.cp_pre_pass_and_combine(DH_KERNEL, problem, tag, seg, rfallback,
-                                             dict(sizes, use_dht=0, store_dh0=1), pointers, "dh0", dht_c, True,
+                                             dict(sizes, use_dht=0, store_dh0=1, ordered=0), pointers, "dh0", dht_c, True,
                                              ops.current_stream(dev), (rend,))
         # the segments run as sequences from the gradient of the state leaving each
         pointers.update(dht=ds_out.data_ptr())
-        sizes.update(N=seg.count, use_dht=1)
+        sizes.update(N=seg.count, use_dht=1, ordered=0)  # equal segments: dispatched in index order
         chains = seg.count
     dh0 = ops._empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     if dh0 is not None:

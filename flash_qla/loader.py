@@ -146,7 +146,8 @@ class Kernel:
             nat = native()
             try:
                 module = nat.load_module(device, image)
-                fn = nat.get_function(module, self.entry.symbol, self.smem)
+                carveout = self.entry.shared_carveout
+                fn = nat.get_function(module, self.entry.symbol, self.smem, -1 if carveout is None else carveout)
             except CudaDriverError as e:
                 raise CudaDriverError(f"kernel {self.key} on device {device}: {e.what}", e.code, e.name,
                                       e.description) from None

@@ -231,6 +231,7 @@ class KernelEntry:
     spills: Optional[int] = None
     cubin_bytes: Optional[int] = None
     compile_seconds: Optional[float] = None
+    shared_carveout: Optional[int] = None  # percent of the SM's L1 / shared memory as shared (None: the driver's)
 
     @property
     def signature(self) -> bytes:
@@ -421,8 +422,9 @@ def _parse_kernel(p: _P, obj: Any, path: str) -> KernelEntry:
     cs = obj.get("compile_seconds")
     if cs is not None and (isinstance(cs, bool) or not isinstance(cs, (int, float))):
         p.fail(f"{path}.compile_seconds", f"must be a number, got {cs!r}")
+    carveout = p.int_(obj, "shared_carveout", path, required=False, lo=0, hi=100)
     return KernelEntry(key, kernel, dict(variant), file, sha.lower(), source_hash, symbol, tuple(block), smem,
-                       grid, params, registers, spills, cubin_bytes, cs)  # type: ignore[arg-type]
+                       grid, params, registers, spills, cubin_bytes, cs, carveout)  # type: ignore[arg-type]
 
 
 def parse_manifest(data: Any, source: str = "") -> Manifest:

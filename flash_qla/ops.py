@@ -20,7 +20,7 @@ import torch
 from . import cp, loader
 from .chunk_grads import token_positions
 from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_fused_block_v, plan_heads_per_cta,
-                      prefer_fused)
+                      plan_irregular_block_v, prefer_fused)
 from .validation import Problem, validate_kernel_inputs
 
 CHUNK = 64
@@ -30,6 +30,9 @@ FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no sav
 # The plain forward's path: None lets the planner choose per shape (flash_qla/planner.py prefer_fused); tests and
 # experiments pin True / False. FLASH_QLA_FUSED=0 / 1 pins it from the environment.
 USE_FUSED: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("FLASH_QLA_FUSED", ""))
+# the chain kernels whose V block a batch of several sequences plans by unequal chains (planner.py
+# plan_irregular_block_v), the others by equal waves
+IRREGULAR_CHAIN_KERNELS = {"gdn_bwd_dh"}
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
 _SMS: dict = {}
@@ -71,6 +74,10 @@ def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT
     built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
     if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
         return FORCE_BLOCK_V
+    if chains_per_head is None and problem.num_seqs > 1 and kernel in IRREGULAR_CHAIN_KERNELS:
+        return plan_irregular_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                                      problem.head_dim_v, tuple(built), _num_sms(device),
+                                      tuple(sorted(_chain_costs(kernel).items())))
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
     return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), _chain_costs(kernel))
 
@@ -113,12 +120,16 @@ def _cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) ->
 
 def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
              stream=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int32, chunk_offsets int32) on the device: one small scan kernel, no host synchronisation."""
+    """(cu_seqlens int32, chunk_offsets int32, seq_order int32) on the device: one small planning kernel, no host
+    synchronisation. seq_order lists the sequences longest first: the chain kernels' dispatch order."""
     cu = _cu_seqlens(problem, cu_seqlens, device)
-    offsets = torch.empty_like(cu)
-    _launch("gdn_plan", {"tile": 1024}, device, {"N": problem.num_seqs},
-            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr()}, stream)
-    return cu, offsets
+    N = problem.num_seqs
+    plan = torch.empty(2 * N + 1, device=cu.device, dtype=torch.int32)  # one allocation for both tables
+    offsets, order = plan[:N + 1], plan[N + 1:]
+    _launch("gdn_plan", {"tile": 1024}, device, {"N": N},
+            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr()},
+            stream)
+    return cu, offsets, order
 
 
 def current_stream(device: torch.device) -> int:
@@ -181,7 +192,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
                                output_final_state, use_qk_l2norm, tag, fused_bv, stream)
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
-    cu, offsets = _offsets(problem, cu_seqlens, dev, stream)
+    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
     A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
@@ -213,7 +224,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
-                "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr()}
+                "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr(),
+                "seq_order": order.data_ptr()}
 
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
         return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
@@ -232,13 +244,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
-                     sizes=sizes, tag=tag)
-        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0), None
+                     sizes=sizes, tag=tag, order=order)
+        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
             seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True)
             saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
-            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0), seg.count
+            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0), seg.count
         bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
         if save_stream is not None:
             save_stream.wait_stream(torch.cuda.current_stream(dev))
@@ -471,7 +483,7 @@ def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, ini
     """FlashQLA's low-level backward. ``A`` is accepted for signature compatibility and recomputed (the
     recompute pass produces it alongside the states it needs anyway)."""
     from .backward import backward
-    cu, _ = _offsets(problem, cu_seqlens, q.device)
+    cu, _, _ = _offsets(problem, cu_seqlens, q.device)
     g_raw = chunk_local_diff(g_cumsum, cu)
     dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_raw, beta, initial_state, cu_seqlens,
                                           use_qk_l2norm_in_kernel, do, dht)

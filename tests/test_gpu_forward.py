@@ -212,13 +212,19 @@ def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum(monkeypatch):
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
 
 
-def test_plan_kernel_chunk_offsets_match_torch():
+def test_plan_kernel_chunk_offsets_and_order_match_torch():
+    """gdn_plan's chunk offsets, and its dispatch order: up to 1024 sequences by chunk count, longest first, ties
+    by index (a stable sort); beyond that the identity. Lengths repeat often (ties) and include empty sequences."""
     gen = torch.Generator().manual_seed(3)
     for n in (1, 7, 1024, 1025, 3000):
-        lens = torch.randint(0, 300, (n,), generator=gen)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
-        x = torch.zeros(1, int(cu[-1]), 1, 64, device="cuda")
-        problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
-        _, offsets = ops._offsets(problem, cu, cu.device)
-        want = torch.cat([torch.zeros(1, dtype=torch.long), ((lens + 63) // 64).cumsum(0)])
-        assert torch.equal(offsets.cpu().long(), want), n
+        for high in (300, 3):  # many distinct counts; then nearly all tied
+            lens = torch.randint(0, high * 64, (n,), generator=gen)
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
+            x = torch.zeros(1, 1, 1, 64, device="cuda").expand(1, int(cu[-1]), 1, 64)  # shapes only
+            problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
+            _, offsets, order = ops._offsets(problem, cu, cu.device)
+            counts = (lens + 63) // 64
+            want = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+            assert torch.equal(offsets.cpu().long(), want), n
+            want_order = (torch.sort(-counts, stable=True).indices if n <= 1024 else torch.arange(n))
+            assert torch.equal(order.cpu().long(), want_order), (n, high)

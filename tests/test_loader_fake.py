@@ -121,7 +121,7 @@ def test_launch_success_records_everything(env, fake, lib):
     k.launch(0, 0xABC0, SIZES, PTRS)
     assert k.is_loaded(0)
     assert fake.stat("module_loads") == 1 and fake.stat("get_function") == 1
-    assert fake.stat("set_attr") == 0                       # 16 KiB smem: no attribute needed
+    assert fake.stat("set_attr") == 0                       # 16 KiB smem, no carveout: no attribute needed
     assert fake.proc_lookups_at_load >= 17                  # symbols came through cuGetProcAddress
     rec = fake.last_launch()
     assert rec["symbol"] == "kkt_solve_kernel"
@@ -211,6 +211,16 @@ def test_large_smem_sets_attribute_once(env, fake, lib):
         k.launch(0, 0, SIZES, PTRS)
     assert fake.stat("set_attr") == 1 and fake.last_attr() == (8, 100 * 1024)
     assert fake.last_launch()["smem"] == 100 * 1024 and fake.stat("launches") == 3
+
+
+def test_manifest_carveout_sets_attribute_once(env, fake, tmp_path):
+    entries = fixtures.default_entries()
+    for e in entries:
+        e["shared_carveout"] = 100
+    k = KernelLibrary(fixtures.write_kernel_dir(tmp_path / "c", entries)).kernel("kkt_solve", dtype="bf16", K=128)
+    for _ in range(3):
+        k.launch(0, 0, SIZES, PTRS)
+    assert fake.stat("set_attr") == 1 and fake.last_attr() == (9, 100)
 
 
 def test_checks_run_once(env, fake, lib):

@@ -120,6 +120,8 @@ MALFORMED = [
     ("kernels/0/params/6/oob_fill", "0", "kernels[0].params[6].oob_fill"),
     ("kernels/0/registers", "90", "kernels[0].registers"),
     ("kernels/0/compile_seconds", "3s", "kernels[0].compile_seconds"),
+    ("kernels/0/shared_carveout", 101, "kernels[0].shared_carveout"),
+    ("kernels/0/shared_carveout", "max", "kernels[0].shared_carveout"),
 ]
 
 
@@ -148,6 +150,9 @@ def test_optional_fields_and_int_min_driver():
     p = parse_manifest(m)
     assert p.toolchain.min_driver == "580" and p.toolchain.extra == {"tilelang_commit": "abc"}
     assert p.kernels[0].registers is None and p.total_cubin_bytes == 0
+    assert p.kernels[0].shared_carveout is None  # the driver's split
+    m["kernels"][0]["shared_carveout"] = 100
+    assert parse_manifest(m).kernels[0].shared_carveout == 100
 
 
 def test_empty_kernel_list_is_valid():

@@ -3,7 +3,7 @@ per CTA, and the plain forward's path (fused or prepare + chain)."""
 import pytest
 
 from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
-                               plan_fused_block_v, plan_heads_per_cta, prefer_fused)
+                               plan_fused_block_v, plan_heads_per_cta, plan_irregular_block_v, prefer_fused)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -26,6 +26,17 @@ def test_plan_output_kernel(n, hv, V, blocks, want):
 ])
 def test_plan_staged_chains(n, hv, V, blocks, want):
     assert plan_block_v(n, hv, V, blocks, 132, STAGED_CHAIN_COST) == want
+
+
+@pytest.mark.parametrize("tokens,n,hv,want", [
+    (8192, 8, 8, 32),     # hk4_hv8 8k_8seq: the longest chain, not a second wave, sets the time: narrow
+    (32768, 8, 8, 32),    # hk4_hv8 32k_8seq
+    (8192, 8, 32, 64),    # hk16_hv32 8k_8seq: 1024 narrow CTAs are 7.8 SMs' worth of work each: wide
+    (32768, 8, 32, 64),   # hk16_hv32 32k_8seq
+])
+def test_plan_irregular_chains(tokens, n, hv, want):
+    costs = tuple(sorted(STAGED_CHAIN_COST.items()))
+    assert plan_irregular_block_v(tokens, n, hv, 128, (32, 64), 132, costs) == want
 
 
 def test_no_block_built_is_an_error():

@@ -1,0 +1,104 @@
+"""How the backward's two chains (gdn_bwd_dh, gdn_fwd's save build) share the GPU (GPU machine): JSON lines.
+
+For each backward row and each launch arrangement: the CUDA-graph median of the whole backward
+(chunk_gated_delta_rule_bwd, as the bench times it) and one eager call's kernel timeline (start offset and
+duration of every kernel, from a torch.profiler trace), so a chain that waits for SMs shows as a late start.
+Arrangements (monkeypatched here, nothing changes in the library):
+  base          as shipped: the save build forks onto a side stream after gdn_prepare, then the dh chain
+  serial        both on the caller's stream (save build first)
+  dh_first      the save build's launch is held back until the dh chain's launch has been issued
+  dh_bvN / save_bvN   that chain's V block forced to N (the planner's choice otherwise)
+  unordered     both chains dispatched in sequence index order (not gdn_plan's longest first)
+usage: python scripts/chain_overlap_experiment.py ARRANGEMENT[,ARRANGEMENT...] ROW_SUBSTRING [...]
+(an arrangement may combine parts with '+', e.g. dh_first+dh_bv32)
+"""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flash_qla
+from flash_qla import backward, ops
+from flash_qla.bench import timing
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.bench.workloads import backward_call, forward_for_backward
+
+ORIG_LAUNCH, ORIG_BLOCK_V, ORIG_SIDE = ops._launch, ops._block_v, ops._side_stream
+STATE = {"parts": set(), "held": [], "chosen": {}}
+
+
+def _launch(name, variant, device, sizes, pointers, stream=None):
+    if "unordered" in STATE["parts"] and "ordered" in sizes:
+        sizes = dict(sizes, ordered=0)
+    if "dh_first" in STATE["parts"] and name == ops.FWD_KERNEL and variant.get("mode") == "save":
+        STATE["held"].append((name, variant, device, sizes, pointers, stream))
+        return None
+    ORIG_LAUNCH(name, variant, device, sizes, pointers, stream)
+    if name == backward.DH_KERNEL and variant.get("mode") == "chain":
+        while STATE["held"]:
+            ORIG_LAUNCH(*STATE["held"].pop())
+
+
+def _block_v(problem, tag, device, kernel=ops.OUT_KERNEL, mode="out", chains_per_head=None):
+    for part in STATE["parts"]:
+        if kernel == backward.DH_KERNEL and part.startswith("dh_bv"):
+            bv = int(part[5:])
+            break
+        if kernel == ops.FWD_KERNEL and mode == "save" and part.startswith("save_bv"):
+            bv = int(part[7:])
+            break
+    else:
+        bv = ORIG_BLOCK_V(problem, tag, device, kernel=kernel, mode=mode, chains_per_head=chains_per_head)
+    STATE["chosen"][f"{kernel}:{mode}"] = bv
+    return bv
+
+
+def _side_stream(device, name="side"):
+    if "serial" in STATE["parts"]:
+        return torch.cuda.current_stream(device)
+    return ORIG_SIDE(device, name)
+
+
+def timeline(call):
+    """One eager call's kernels: (name, start offset us, duration us), in start order."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"] if events else 0.0
+    return [(e["name"].replace("_kernel", "")[:24], round(e["ts"] - t0, 1), round(e["dur"], 1)) for e in events
+            if e["dur"] > 3.0]
+
+
+def main():
+    ops._launch, ops._block_v, ops._side_stream = _launch, _block_v, _side_stream
+    arrangements, wants = sys.argv[1].split(","), sys.argv[2:] or [""]
+    device = torch.device("cuda")
+    timing.prepare_device(device)
+    for row in iter_rows(load_matrix(), ("bwd",), ""):
+        if not any(w in row.key for w in wants):
+            continue
+        x = draw_inputs(row, "cuda")
+        g_cumsum, A = forward_for_backward(x, "kernels")
+        call = backward_call(x, g_cumsum, A, "kernels")
+        for arrangement in arrangements:
+            STATE["parts"] = set(arrangement.split("+"))
+            STATE["chosen"] = {}
+            graph_ms, err = timing.graph_median_ms(call, device)
+            rec = {"row": row.key, "arrangement": arrangement, "graph_ms": round(graph_ms, 4) if graph_ms else None,
+                   "error": err, "blocks": dict(STATE["chosen"]), "timeline": timeline(call)}
+            print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
