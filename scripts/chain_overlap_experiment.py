@@ -9,6 +9,7 @@ Arrangements (monkeypatched here, nothing changes in the library):
   dh_first      the save build's launch is held back until the dh chain's launch has been issued
   dh_bvN / save_bvN   that chain's V block forced to N (the planner's choice otherwise)
   unordered     both chains dispatched in sequence index order (not gdn_plan's longest first)
+  cpL           intra-card CP segments of L chunks (cp0: no CP; the planner's choice otherwise)
 usage: python scripts/chain_overlap_experiment.py ARRANGEMENT[,ARRANGEMENT...] ROW_SUBSTRING [...]
 (an arrangement may combine parts with '+', e.g. dh_first+dh_bv32)
 """
@@ -21,13 +22,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flash_qla
-from flash_qla import backward, ops
+from flash_qla import backward, cp, ops
 from flash_qla.bench import timing
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
 from flash_qla.bench.workloads import backward_call, forward_for_backward
 
-ORIG_LAUNCH, ORIG_BLOCK_V, ORIG_SIDE = ops._launch, ops._block_v, ops._side_stream
+ORIG_LAUNCH, ORIG_BLOCK_V, ORIG_SIDE, ORIG_SEGMENTS = ops._launch, ops._block_v, ops._side_stream, ops._segment_chunks
 STATE = {"parts": set(), "held": [], "chosen": {}}
 
 
@@ -57,6 +58,15 @@ def _block_v(problem, tag, device, kernel=ops.OUT_KERNEL, mode="out", chains_per
     return bv
 
 
+def _segment_chunks(problem, tag, device, save=False):
+    cp.FORCE_SEGMENT_CHUNKS = next((int(p[2:]) for p in STATE["parts"] if p.startswith("cp")), None)
+    L = ORIG_SEGMENTS(problem, tag, device, save=save)
+    cp.FORCE_SEGMENT_CHUNKS = None
+    if save:
+        STATE["chosen"]["L"] = L
+    return L
+
+
 def _side_stream(device, name="side"):
     if "serial" in STATE["parts"]:
         return torch.cuda.current_stream(device)
@@ -81,7 +91,7 @@ def timeline(call):
 
 
 def main():
-    ops._launch, ops._block_v, ops._side_stream = _launch, _block_v, _side_stream
+    ops._launch, ops._block_v, ops._side_stream, ops._segment_chunks = _launch, _block_v, _side_stream, _segment_chunks
     arrangements, wants = sys.argv[1].split(","), sys.argv[2:] or [""]
     device = torch.device("cuda")
     timing.prepare_device(device)
