@@ -8,7 +8,8 @@ with the manifest that was committed (``git show HEAD:flash_qla/_kernels/sm90a/m
 per kernel key:
 
 * the sha256 of the (decompressed) cubin must be identical: it is what the wheel ships and the loader verifies;
-* the launch metadata the loader reads (file, symbol, block, smem, grid, params, registers, spills) must match;
+* the launch metadata the loader reads (file, symbol, block, smem, grid, params, registers, spills,
+  shared_carveout) must match;
 * a key present on one side only is a failure (a variant was added or dropped without rebuilding), except
   that ``--subset`` (a partial rebuild, e.g. ``build_matrix build --subset smoke``) skips committed keys that
   were not rebuilt;
@@ -33,7 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 IGNORED_TOP = ("build_date",)
 IGNORED_KERNEL = ("compile_seconds",)
-COMPARED_KERNEL = ("file", "symbol", "block", "smem", "grid", "params", "registers", "spills")
+COMPARED_KERNEL = ("file", "symbol", "block", "smem", "grid", "params", "registers", "spills", "shared_carveout")
 COMPARED_TOOLCHAIN = ("tilelang", "nvcc")
 COMPARED_TOP = ("format_version", "arch")
 

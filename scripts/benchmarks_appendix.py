@@ -48,8 +48,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.31, recompute (gdn_prepare 0.08 + gdn_fwd save build 0.21) = 1.03 when run one after another; with the save build beside the dh chain (side stream) the dh chain stretches to 0.52 and the total stays ~1.07 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq (eager profile) | gdn_bwd_dh with reverse CP 0.52 (pre-pass and segments), gdn_bwd_chunk 0.42, recompute with CP (save build 0.14, pre-pass 0.12, prepare 0.08), gdn_cp_plan 0.074 + combines 0.059 = 1.43 | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq (eager timeline, `experiments/chain_overlap_lpt_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.32 beside the gdn_fwd save build 0.23 (side stream, sharing the SMs), gdn_prepare 0.08: 0.95 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (eager profile, `experiments/cp_plan_vars_kernel_split_h200.jsonl`) | gdn_bwd_dh with reverse CP 0.58 (pre-passes and segments), gdn_bwd_chunk 0.42, recompute with CP (save build 0.15, pre-pass 0.13, prepare 0.08), combines 0.059, gdn_cp_plan 0.022: 1.25 (graph) | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
@@ -67,7 +67,32 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (backward; H200 graph medians of the bwd bench after each step in
+Latest session (backward and the CP planner kernel; H200 graph medians; records in
+`bench/results/experiments/chain_overlap_*_h200.jsonl`, `bwd_bench_chains_h200.jsonl`,
+`cp_plan_vars_kernel_split_h200.jsonl`): geomean x FlashQLA 0.78 -> 0.85 (min 0.65 -> 0.72), x best peer 0.74 -> 0.81.
+- The two chains of the backward really share the SMs now. gdn_fwd's save build and gdn_bwd_dh ask for the SM's
+  whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
+  an SM running one of them was split for that kernel alone and the other's CTAs could not join it: on hk16_hv32
+  8k_1seq the chains ran one after the other (the timeline showed the dh chain stretched by exactly the save build's
+  overlap). hk16_hv32 8k_1seq 1.07 -> 0.95 ms, 32k_1seq 4.00 -> 3.54. Only those two kernels take it: with every
+  kernel at the full carveout the TP8 forward rows were 1.5% slower (less L1).
+- Chain dispatch order: gdn_plan also writes the sequences longest first (up to 1024 sequences; the identity
+  beyond) and the chain kernels map CTA z to that sequence. On hk4_hv8 32k_8seq the 9932-token sequence's CTAs had
+  started behind six others.
+- gdn_bwd_dh's V block for a batch of several sequences is planned for unequal chains (the longest chain, taken as
+  twice the mean, or all the work over the SMs): hk4_hv8 8k_8seq and 32k_8seq now take BV = 32. With the order:
+  8k_8seq 0.385 -> 0.318 ms (1.27x FlashQLA), 32k_8seq 1.30 -> 1.04.
+- gdn_cp_plan held a (segment, head) index as an expression; TileLang re-evaluated it at every warm-up load as a
+  64-bit modulo (a division subroutine per load). Held in registers: 0.074 -> 0.022 ms in the backward, 0.028 ->
+  0.009 in the forward; hk4_hv8 32k_1seq 1.305 -> 1.252, forward CP rows 5-11% faster (TP2 1x32768 0.81 -> 0.73).
+- Measured, not acted on: hk4_hv8 32k_1seq at 32-chunk segments was 3% faster than the planner's 64 (before the
+  gdn_cp_plan fix); CP on hk16_hv32 single-sequence rows stays slower (8k: 1.18 / 1.25 ms at L = 32 / 64 vs 0.95).
+- Not yet done: gdn_bwd_dh's X / dV stores are per-element from shared memory (16% of its consumer stall samples,
+  partly behind the asynchronous state update), and its dS' TMA store waits for the store's read of the tile before
+  the chunk's products; gdn_bwd_chunk's epilogue (half of its samples) is a chain of small products and reductions
+  across 8 lockstep warps.
+
+Session of 2026-11-22, sixth (backward; H200 graph medians of the bwd bench after each step in
 `bench/results/experiments/bwd_bench_step*_h200.jsonl`, per-kernel splits in `bwd_kernel_split_steps_h200.jsonl`,
 the mapping in `bwd_session_steps_h200.md`): geomean x FlashQLA 0.67 -> 0.78 (min 0.53 -> 0.65), 1/8 rows above it.
 - gdn_bwd_chunk: batched reductions (one AllReduce call per reduction; the column sums had a barrier round per output
