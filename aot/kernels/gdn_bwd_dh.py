@@ -71,6 +71,10 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
         ordered: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, nz):
+            if BV == 32:
+                # registers for two CTAs' worth of threads: this chain shares its SM with the save build's CTA
+                # (TMA stores beside the partial-chunk fallback had ptxas take 128 registers, too many for that)
+                T.annotate_min_blocks_per_sm(2)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             do_s = T.alloc_shared((C, BV), dt)
@@ -83,6 +87,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
             dos_s = T.alloc_shared((C, BV), dt)   # scale * eg * dO
             x_s = T.alloc_shared((C, BV), dt)
             dwe_s = T.alloc_shared((C, BV), dt)   # -eg * dW
+            dv_s = T.alloc_shared((C, BV), dt)    # dW, the stored dV
             # read (or written) in the accumulator's row layout by 4-byte accesses, eight rows per instruction:
             # the 128-byte swizzle spreads those rows over the banks (8-way conflicts in the plain layout)
             T.annotate_layout({do_s: make_swizzled_layout(do_s)})
@@ -141,9 +146,17 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
                         dos_s[i, d] = T.if_then_else(
                             i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
+                # the previous chunk's TMA stores (dS', X, dV) read their tiles asynchronously: the thread that
+                # issued them waits here, before anyone rewrites a tile (not right after the issue, which held
+                # the whole chain on the store's read of the tile)
+                if chain:
+                    T.tma_store_wait()
+                    T.sync_threads()
                 T.copy(dS, ds_s)
                 if chain:
-                    T.copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    T.tma_copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
                 # one batch of products: dS's dO term, P^T dO and K dS' (the et factor goes on in the X pass,
@@ -167,14 +180,21 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                 T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
+                    if chain:
+                        dv_s[i, d] = T.cast(dw[i, d], dt)
                 T.fence_proxy_async()
                 T.sync_threads()
                 T.wgmma_gemm(k_s, dwe_s, dS, transpose_A=True)
                 # X and dV go out while that product runs: stored before the fence above, they held it (the
-                # fence waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu)
+                # fence waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu). A whole chunk by TMA
+                # (the per-element stores were ~16% of the consumers' stall samples); a sequence's partial last
+                # chunk by its valid rows (the rows past it are the next sequence's)
                 if chain:
+                    if valid == C:
+                        T.tma_copy(x_s, x[t0:t0 + C, h, v0:v0 + BV])
+                        T.tma_copy(dv_s, dv[t0:t0 + C, h, v0:v0 + BV])
                     for i, d in T.Parallel(C, BV):
-                        if i < valid:
+                        if i < valid and valid < C:
                             x[t0 + i, h, v0 + d] = x_s[i, d]
                             dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
                 T.wait_wgmma(0)
@@ -187,6 +207,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         x_s[0, 0] = k_s[0, 0]
                     else:
                         x_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
+            if chain:
+                T.tma_store_wait()  # the last chunk's stores have read their tiles before the CTA exits
             if store_dh0 != 0 or not chain:
                 T.copy(dS, dh0[n, h, :, v0:v0 + BV])
 

@@ -105,7 +105,15 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
+                # the previous chunk's TMA stores (hs, W, Vnew) read their tiles asynchronously: the thread that
+                # issued them waits here, before anyone rewrites a tile (not right after the issue, which held
+                # the whole chain on the store's read of the tile)
+                T.tma_store_wait()
+                T.sync_threads()
                 T.copy(S, s_s)
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.tma_copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
                 T.gemm(k_s, s_s, ks, clear_accum=True)
                 for i, d in T.Parallel(C, BV):
                     w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
@@ -114,16 +122,19 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 for i, d in T.Parallel(C, BV):
                     vn_s[i, d] = T.cast(vn[i, d], dt)
                     vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
-                T.copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
                 for kk, d in T.Parallel(K, BV):
                     S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.fence_proxy_async()
                 T.sync_threads()
                 T.wgmma_gemm(k_s, vd_s, S, transpose_A=True)
                 # W and Vnew go out while the state update runs: stored before its fence, they held it (the fence
-                # waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu on gdn_bwd_dh)
+                # waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu on gdn_bwd_dh). A whole chunk by
+                # TMA; a sequence's partial last chunk by its valid rows (the rows past it are the next sequence's)
+                if valid == C:
+                    T.tma_copy(w_s, w[t0:t0 + C, h, v0:v0 + BV])
+                    T.tma_copy(vn_s, vnew[t0:t0 + C, h, v0:v0 + BV])
                 for i, d in T.Parallel(C, BV):
-                    if i < valid:
+                    if i < valid and valid < C:
                         w[t0 + i, h, v0 + d] = w_s[i, d]
                         vnew[t0 + i, h, v0 + d] = vn_s[i, d]
                 T.wait_wgmma(0)
@@ -133,6 +144,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 # wait, so the producer cannot refill it while the product still reads it
                 if valid < 0:
                     w_s[0, 0] = k_s[0, 0]
+            T.tma_store_wait()  # the last chunk's stores have read their tiles before the CTA exits
             if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])
 
