@@ -48,8 +48,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq (eager timeline, `experiments/chain_overlap_lpt_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.32 beside the gdn_fwd save build 0.23 (side stream, sharing the SMs), gdn_prepare 0.08: 0.95 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq (eager profile, `experiments/cp_plan_vars_kernel_split_h200.jsonl`) | gdn_bwd_dh with reverse CP 0.58 (pre-passes and segments), gdn_bwd_chunk 0.42, recompute with CP (save build 0.15, pre-pass 0.13, prepare 0.08), combines 0.059, gdn_cp_plan 0.022: 1.25 (graph) | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq (eager profile, `experiments/bwd_kernel_split_tma_stores_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.28 beside the gdn_fwd save build 0.21 (side stream, sharing the SMs), gdn_prepare 0.08: 0.89 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (eager profile, same file) | gdn_bwd_dh with reverse CP 0.45 (pre-passes and segments), gdn_bwd_chunk 0.42, recompute with CP (save build 0.14, pre-pass 0.12, prepare 0.08), combines 0.059, gdn_cp_plan 0.021: 1.18 (graph) | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
@@ -69,7 +69,8 @@ experiment records are in `bench/results/experiments/`):
 
 Latest session (backward and the CP planner kernel; H200 graph medians; records in
 `bench/results/experiments/chain_overlap_*_h200.jsonl`, `bwd_bench_chains_h200.jsonl`,
-`cp_plan_vars_kernel_split_h200.jsonl`): geomean x FlashQLA 0.78 -> 0.85 (min 0.65 -> 0.72), x best peer 0.74 -> 0.81.
+`cp_plan_vars_kernel_split_h200.jsonl`, `bwd_bench_tma_stores_h200.jsonl`): geomean x FlashQLA 0.78 -> 0.91 (min 0.65 ->
+0.76), x best peer 0.74 -> 0.87.
 - The two chains of the backward really share the SMs now. gdn_fwd's save build and gdn_bwd_dh ask for the SM's
   whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
   an SM running one of them was split for that kernel alone and the other's CTAs could not join it: on hk16_hv32
@@ -85,12 +86,19 @@ Latest session (backward and the CP planner kernel; H200 graph medians; records 
 - gdn_cp_plan held a (segment, head) index as an expression; TileLang re-evaluated it at every warm-up load as a
   64-bit modulo (a division subroutine per load). Held in registers: 0.074 -> 0.022 ms in the backward, 0.028 ->
   0.009 in the forward; hk4_hv8 32k_1seq 1.305 -> 1.252, forward CP rows 5-11% faster (TP2 1x32768 0.81 -> 0.73).
+- gdn_bwd_dh and gdn_fwd's save build store a whole chunk's X / dV (W / Vnew) by TMA (a sequence's partial last
+  chunk by its valid rows; the rows past it are the next sequence's), and the per-chunk state store (dS' / hs) no
+  longer waits for its read of the tile right after the issue: the issuing thread waits at the top of the next chunk.
+  The per-element stores were ~16% of gdn_bwd_dh's consumer stall samples, and the immediate wait held the chain.
+  gdn_bwd_dh at BV = 32 asks ptxas for two CTAs' registers (76; the TMA path beside the fallback had taken 128, too
+  many to share the SM). dh chain on hk16_hv32 8k_1seq 0.32 -> 0.28 ms; rows 4-8% faster (hk16_hv32 8k_1seq 0.952 ->
+  0.892, 32k_1seq 3.54 -> 3.27, hk4_hv8 32k_1seq 1.25 -> 1.18).
 - Measured, not acted on: hk4_hv8 32k_1seq at 32-chunk segments was 3% faster than the planner's 64 (before the
   gdn_cp_plan fix); CP on hk16_hv32 single-sequence rows stays slower (8k: 1.18 / 1.25 ms at L = 32 / 64 vs 0.95).
-- Not yet done: gdn_bwd_dh's X / dV stores are per-element from shared memory (16% of its consumer stall samples,
-  partly behind the asynchronous state update), and its dS' TMA store waits for the store's read of the tile before
-  the chunk's products; gdn_bwd_chunk's epilogue (half of its samples) is a chain of small products and reductions
-  across 8 lockstep warps.
+- Not yet done: gdn_bwd_chunk (0.42 ms of hk16_hv32 8k_1seq's 0.89) is latency-bound. Its epilogue holds half of its
+  stall samples: a chain of small products and reductions, 45 CTA barriers a head across 8 lockstep warps. Its
+  V-block loop holds 31%. Closing the rest of the gap needs the fused design, with chunk gradients split across
+  warpgroups. The backward also recomputes the gate-free inverse that FlashQLA's low-level backward takes as A.
 
 Session of 2026-11-22, sixth (backward; H200 graph medians of the bwd bench after each step in
 `bench/results/experiments/bwd_bench_step*_h200.jsonl`, per-kernel splits in `bwd_kernel_split_steps_h200.jsonl`,
