@@ -113,11 +113,28 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     expected_state = (problem.num_seqs, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v)
     if dht is not None and tuple(dht.shape) != expected_state:
         raise ValueError(f"dht must have shape [N, Hv, K, V] = {expected_state}, got {tuple(dht.shape)}")
+    if A is not None:
+        _check_gate_free_inverse(A, q, problem)
     if select_backend(q.device, backend) == "kernels":
         return _kernel_ops().chunk_gated_delta_rule_bwd(problem, q, k, v, g, beta, A, do, dht, initial_state,
                                                         cu_seqlens, use_qk_l2norm_in_kernel)
     return _reference_bwd(problem, q, k, v, g, beta, do, dht, initial_state, _host(cu_seqlens),
                           use_qk_l2norm_in_kernel)
+
+
+def _check_gate_free_inverse(A, q, problem) -> None:
+    """A must be chunk_gated_delta_rule_fwd's gate-free inverse for these inputs: [B, T, Hv, 64] in q's dtype, on
+    q's device (the kernels read it in place of solving it again)."""
+    want = (problem.batch, problem.tokens, problem.num_v_heads, 64)
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"A must be a tensor (chunk_gated_delta_rule_fwd's gate-free inverse) or None, got {type(A).__name__}")
+    if tuple(A.shape) != want:
+        raise ValueError(f"A must have shape [B, T, Hv, 64] = {want} (chunk_gated_delta_rule_fwd's gate-free "
+                         f"inverse), got {tuple(A.shape)}")
+    if A.dtype != q.dtype:
+        raise ValueError(f"A must have q's dtype {q.dtype}, got {A.dtype}")
+    if A.device != q.device:
+        raise ValueError(f"A must be on q's device {q.device}, got {A.device}")
 
 
 def _reference_bwd(problem: Problem, q, k, v, g_cumsum, beta, do, dht, initial_state, cu, l2norm):

@@ -167,13 +167,14 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
-            save_stream: Optional[torch.cuda.Stream] = None):
+            save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
     the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
     et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
-    build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew."""
+    build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
+    With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -194,7 +195,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
     cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
-    A = _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None
+    # gate_free_inverse: the caller's A (checked by the API), read by gdn_prepare instead of solved again
+    read_a = gate_free_inverse is not None
+    A = (_packed(gate_free_inverse) if read_a else
+         _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None)
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
     TC = (-(-T // CHUNK) + N) * CHUNK
@@ -214,7 +218,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
               else (qp, kp))
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev,
-            dict(sizes, write_a=int(A is not None), hpc=hpc, l2norm=int(use_qk_l2norm)),
+            dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
+                 read_a=int(read_a)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
              "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
@@ -480,11 +485,11 @@ def chunk_local_diff(g_cumsum: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
-    """FlashQLA's low-level backward. ``A`` is accepted for signature compatibility and recomputed (the
-    recompute pass produces it alongside the states it needs anyway)."""
+    """FlashQLA's low-level backward. ``A`` (the forward's gate-free inverse, checked by the API; None: solved
+    again) is read by the recompute pass instead of solved, as FlashQLA's backward reads it."""
     from .backward import backward
     cu, _, _ = _offsets(problem, cu_seqlens, q.device)
     g_raw = chunk_local_diff(g_cumsum, cu)
     dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_raw, beta, initial_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, do, dht)
+                                          use_qk_l2norm_in_kernel, do, dht, A)
     return dq, dk, dv, dbeta, dg, dh0

@@ -166,6 +166,27 @@ def test_low_level_bwd_matches_autograd_and_replays_in_a_graph():
     assert all(torch.equal(a, b) for a, b in zip(replayed, (dq, dk, dv, db, dg, dh0)))
 
 
+@pytest.mark.parametrize("segment_chunks", [None, 3])
+def test_low_level_bwd_reads_the_forwards_inverse(segment_chunks, monkeypatch):
+    """Given A, the recompute reads it instead of solving: gradients within tolerance of fp64 and close to the
+    solving path (Agb from A's rounded values instead of the solve's fp32), with and without CP; a different A
+    changes them (it is really read)."""
+    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)
+    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, 128, 128, torch.bfloat16, seed=31)
+    do, dht = cotangents(x, seed=6)
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x)
+    args = dict(q=x["q"], k=x["k"], v=x["v"], g=g_cumsum, beta=x["beta"], do=do, dht=dht,
+                initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    names = ("q", "k", "v", "beta", "g", "initial_state")
+    read = dict(zip(names, flash_qla.chunk_gated_delta_rule_bwd(**args, A=A)))
+    solved = dict(zip(names, flash_qla.chunk_gated_delta_rule_bwd(**args, A=None)))
+    check(read, grads(x, do, dht, fp64=True), TOL, "bwd reading A")
+    for n in names:
+        assert reference.relative_l2(read[n], solved[n]) < 5e-3, n
+    other = flash_qla.chunk_gated_delta_rule_bwd(**args, A=A * 0.5)
+    assert reference.relative_l2(other[0], read["q"]) > 1e-2
+
+
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 256), (128, 64)])
 def test_fused_chunk_stage_matches_the_torch_specification(K, V):
     """gdn_bwd_chunk against flash_qla.chunk_grads (batched torch, float32) on the same recomputed inputs."""

@@ -90,3 +90,15 @@ def test_bwd_checks_do_and_dht_shapes():
         flash_qla.chunk_gated_delta_rule_bwd(**a, A=None, do=torch.zeros(1, 10, 4, 7))
     with pytest.raises(ValueError, match=r"dht must have shape \[N, Hv, K, V\]"):
         flash_qla.chunk_gated_delta_rule_bwd(**a, A=None, do=torch.zeros_like(a["v"]), dht=torch.zeros(1, 4, 8, 9))
+
+
+def test_bwd_checks_the_gate_free_inverse():
+    a = args()
+    B, T, Hv = a["v"].shape[:3]
+    do = torch.zeros_like(a["v"])
+    with pytest.raises(ValueError, match=r"A must have shape \[B, T, Hv, 64\]"):
+        flash_qla.chunk_gated_delta_rule_bwd(**a, A=torch.zeros(B, T, Hv, 32), do=do)
+    with pytest.raises(ValueError, match=r"A must have q's dtype"):
+        flash_qla.chunk_gated_delta_rule_bwd(**a, A=torch.zeros(B, T, Hv, 64, dtype=torch.float64), do=do)
+    with pytest.raises(TypeError, match=r"A must be a tensor"):
+        flash_qla.chunk_gated_delta_rule_bwd(**a, A="A", do=do)

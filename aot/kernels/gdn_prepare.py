@@ -1,7 +1,8 @@
 """Everything of the GDN forward that depends on neither V nor the state, once per (chunk, v-head).
 
 Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_i - gamma_j) (i >= j):
-  A    = (I + strictLower(diag(beta) K K^T))^-1, the gate-free inverse (FlashQLA's A; stored on request),
+  A    = (I + strictLower(diag(beta) K K^T))^-1, the gate-free inverse (FlashQLA's A; stored on request, or
+         read instead of solved when the caller has it: read_a),
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
   P    = scale * Gamma * tril(Q K^T),
   eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
@@ -73,6 +74,7 @@ def build(dtype: str, K: int):
         write_a: T.int32,
         hpc: T.int32,
         l2norm: T.int32,
+        read_a: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
@@ -106,6 +108,7 @@ def build(dtype: str, K: int):
             pvals = T.alloc_local((8,), dt)
             qv = T.alloc_local((8,), dt)
             a8 = T.alloc_local((8,), "float32")
+            av = T.alloc_local((8,), dt)  # a row segment of the caller's A (read_a)
             l2n = T.alloc_local((8,), dt)
             nrm = T.alloc_local((2,), "float32")
             gcol = T.alloc_local((8,), "float32")
@@ -189,7 +192,10 @@ def build(dtype: str, K: int):
                 c0 = tid % 8 * 8     # output columns of this thread
                 for hj in T.serial(hpc):
                     h = hg * hpc + hj
-                    invert_chunk(kk_s, b_s, hj, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid)
+                    # with read_a the forward's gate-free inverse (FlashQLA's low-level backward passes it in) is
+                    # read row by row below instead of solved again
+                    if read_a == 0:
+                        invert_chunk(kk_s, b_s, hj, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid)
                     # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
                     # (the former 2-threads-per-row order used half of every stored sector, ncu)
                     for u in T.unroll(8):
@@ -199,9 +205,15 @@ def build(dtype: str, K: int):
                         row = ps * ROWS_PER_PASS + tid // 8
                         if row < valid:
                             gr = gam[hj, row]
-                            for half in T.unroll(2):
-                                for u in T.vectorized(4):
-                                    a8[half * 4 + u] = ainv[row, c0 + half * 4 + u]
+                            if read_a != 0:
+                                for u in T.vectorized(8):
+                                    av[u] = A[t0 + row, h, c0 + u]
+                                for u in T.unroll(8):
+                                    a8[u] = T.cast(av[u], "float32")
+                            else:
+                                for half in T.unroll(2):
+                                    for u in T.vectorized(4):
+                                        a8[half * 4 + u] = ainv[row, c0 + half * 4 + u]
                             for u in T.vectorized(8):
                                 qv[u] = qk_s[row, c0 + u]
                             for u in T.unroll(8):
