@@ -104,7 +104,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     """Backward only, FlashQLA's low-level signature.
 
     ``g`` is the chunk-local cumsum returned by :func:`chunk_gated_delta_rule_fwd` and ``A`` its gate-free
-    inverse. Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dg taken with respect to the raw g and
+    inverse, which the kernels read instead of solving it again (None: solved; the reference recomputes it). Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dg taken with respect to the raw g and
     dh0 None when there is no initial state.
     """
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
