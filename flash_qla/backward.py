@@ -28,10 +28,12 @@ CHUNK_KERNEL = "gdn_bwd_chunk"
 
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
-             use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None):
+             use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
+             g_is_cumsum: bool = False):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht).
     dg is with respect to the raw g; dh0 is None without an initial state. A: the forward's gate-free inverse
-    when the caller kept it (FlashQLA's low-level API), read instead of solved again."""
+    when the caller kept it (FlashQLA's low-level API), read instead of solved again; g_is_cumsum: g is the chunk-local
+    cumsum (that API's form; dg is still with respect to the raw g)."""
     dt = q.dtype
     saved: dict = {}
     # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: the save
@@ -40,7 +42,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     main, side = torch.cuda.current_stream(q.device), ops._side_stream(q.device, "save_chain")
     with torch.no_grad():
         ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
-                    want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A)
+                    want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A,
+                    g_is_cumsum=g_is_cumsum)
         do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht, initial_state is not None)
         main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew

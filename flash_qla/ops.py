@@ -167,14 +167,16 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
-            save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None):
+            save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
+            g_is_cumsum: bool = False):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
     the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
     et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
     build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
-    With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving."""
+    With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
+    with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so)."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -219,7 +221,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
               else (qp, kp))
     _launch("gdn_prepare", {"dtype": tag, "K": K}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
-                 read_a=int(read_a)),
+                 read_a=int(read_a), g_is_cumsum=int(g_is_cumsum)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
              "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
@@ -473,23 +475,12 @@ def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_
     return g_cumsum, A, o, None, (ht if output_final_state else None)
 
 
-def chunk_local_diff(g_cumsum: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """Inverse of chunk_local_cumsum on the device: the raw g [B, T, Hv] back from its chunk-local cumsum."""
-    shape = g_cumsum.shape[:2]
-    gc = _packed(g_cumsum).float()
-    _, local = token_positions(cu, gc.shape[0])
-    first = local % CHUNK == 0
-    prev = torch.cat([gc.new_zeros(1, gc.shape[1]), gc[:-1]])
-    return torch.where(first[:, None], gc, gc - prev).unflatten(0, shape)
-
-
 def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
     """FlashQLA's low-level backward. ``A`` (the forward's gate-free inverse, checked by the API; None: solved
     again) is read by the recompute pass instead of solved, as FlashQLA's backward reads it."""
     from .backward import backward
-    cu, _, _ = _offsets(problem, cu_seqlens, q.device)
-    g_raw = chunk_local_diff(g_cumsum, cu)
-    dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_raw, beta, initial_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, do, dht, A)
+    # g_cumsum goes to gdn_prepare as it is (no torch pass back to the raw g: ~6 small launches)
+    dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_cumsum, beta, initial_state, cu_seqlens,
+                                          use_qk_l2norm_in_kernel, do, dht, A, g_is_cumsum=True)
     return dq, dk, dv, dbeta, dg, dh0

@@ -5,7 +5,8 @@ Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_
          read instead of solved when the caller has it: read_a),
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
   P    = scale * Gamma * tril(Q K^T),
-  eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself and
+  eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself (the cumsum of g,
+         or g itself when the caller passes the cumsum: g_is_cumsum) and
   the chunk's largest beta_i |k_i|^2 (the diagonal of diag(beta) K K^T; 3 for a negative beta: intra-card
   CP's warm-up bound needs every token's 0 <= beta |k|^2 <= 2).
 The recurrence kernel (gdn_fwd_st) then keeps only the state-dependent chain. One CTA of one warpgroup per
@@ -75,6 +76,7 @@ def build(dtype: str, K: int):
         hpc: T.int32,
         l2norm: T.int32,
         read_a: T.int32,
+        g_is_cumsum: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
@@ -163,14 +165,18 @@ def build(dtype: str, K: int):
                 T.sync_threads()  # beta / g in shared memory
                 # gamma_i: thread (tid % 64) sums its prefix in order (the serial cumsum's rounding, no 64-step
                 # chain through shared memory), the two halves of the warpgroup take alternate heads;
-                # past the end gamma stays at the last value
+                # past the end gamma stays at the last value. g_is_cumsum: g already is the chunk-local cumsum
+                # (FlashQLA's low-level backward passes it so), taken as it is
                 for jj in T.unroll(HPC_MAX // 2):
                     hj = jj * 2 + tid // C
                     csum[jj] = 0.0
                     if hj < hpc:
-                        for j in T.unroll(C):
-                            if j <= tid % C:
-                                csum[jj] += graw[hj, j]
+                        if g_is_cumsum != 0:
+                            csum[jj] = graw[hj, T.min(tid % C, valid - 1)]
+                        else:
+                            for j in T.unroll(C):
+                                if j <= tid % C:
+                                    csum[jj] += graw[hj, j]
                 # every read of graw before any write of gam (the shared-memory merge may let gam take its place)
                 T.sync_threads()
                 for jj in T.unroll(HPC_MAX // 2):
