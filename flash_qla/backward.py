@@ -41,11 +41,30 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     # their CTAs fit on one SM together, so the two latency-bound chains share the SMs
     main, side = torch.cuda.current_stream(q.device), ops._side_stream(q.device, "save_chain")
     with torch.no_grad():
+        do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
+        dht_c = dht.float().contiguous() if dht is not None else None
+        early: dict = {}
+
+        def start_reverse_pre_pass(seg, reverse):
+            # with CP the dh chain's pre-pass (reverse warm-ups, transposed transitions, reverse combine) needs only
+            # gdn_prepare's outputs, dO and the tables: it starts on a stream of its own as soon as the tables are
+            # launched, beside the recompute's own pre-pass and save chain, instead of after them
+            early["stream"] = pre = ops._side_stream(q.device, "dh_pre_pass")
+            pre.wait_stream(main)
+            with torch.cuda.stream(pre):
+                early["ds_out"] = _dh_cp_pre_pass(problem, saved, seg, *reverse, do_p, dht_c)
+            for buf in (do_p, dht_c, seg.cu, seg.slot, seg.base, *reverse):
+                if buf is not None:
+                    buf.record_stream(pre)
+            early["ds_out"].record_stream(main)
+
         ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
                     want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A,
-                    g_is_cumsum=g_is_cumsum)
-        do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
-        dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht, initial_state is not None)
+                    g_is_cumsum=g_is_cumsum, after_cp_tables=start_reverse_pre_pass)
+        if "stream" in early:
+            main.wait_stream(early["stream"])
+        dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
+                                              early.get("ds_out"))
         main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (ops._dense(q), ops._dense(k)) if use_qk_l2norm else None
         dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
@@ -56,36 +75,50 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
             dh0.to(initial_state.dtype) if initial_state is not None else None)
 
 
-def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht, want_dh0: bool):
-    """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype. When the
-    recompute ran intra-card CP, so does this chain (reverse warm-ups, exact transposed transitions, a reverse
-    combine; flash_qla/cp.py), over the same segments."""
+def _dh_pointers(saved: dict, do_p, dht_c, scratch) -> dict:
+    """gdn_bwd_dh's pointers from the recompute's intermediates; scratch stands in for the outputs a build does not
+    write (any valid address)."""
+    return {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),
+            "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
+            "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else scratch).data_ptr(),
+            "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
+            "dhs": scratch.data_ptr(), "x": scratch.data_ptr(), "dv": scratch.data_ptr(), "dh0": scratch.data_ptr(),
+            "rend": saved["offsets"].data_ptr(), "rfallback": saved["offsets"].data_ptr(),
+            "seq_order": saved["order"].data_ptr()}
+
+
+def _dh_cp_pre_pass(problem: Problem, saved: dict, seg, rend, rfallback, do_p, dht_c) -> torch.Tensor:
+    """The dh chain's CP pre-pass and reverse combine (flash_qla/cp.py) over the recompute's segments, on the
+    current stream: [S, Hv, K, V] fp32, the gradient of the state leaving each segment."""
+    pointers = dict(_dh_pointers(saved, do_p, dht_c, saved["agb"]), cu_seqlens=seg.cu.data_ptr(),
+                    chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(), rfallback=rfallback.data_ptr())
+    sizes = dict(saved["sizes"], use_dht=0, store_dh0=1, ordered=0)
+    return ops.cp_pre_pass_and_combine(DH_KERNEL, problem, saved["tag"], seg, rfallback, sizes, pointers, "dh0", dht_c,
+                                       True, ops.current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans")
+
+
+def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bool,
+                        ds_out: Optional[torch.Tensor] = None):
+    """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype, dht_c the
+    final-state gradient (fp32, contiguous) or None. When the recompute ran intra-card CP, so does this chain
+    (reverse warm-ups, exact transposed transitions, a reverse combine; flash_qla/cp.py), over the same segments:
+    ds_out is that pre-pass's result when the caller already launched it (_dh_cp_pre_pass), else it runs here."""
     dev = do_p.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
     dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
     dhs = ops.chunk_slot_states(saved["TC"] // ops.CHUNK, problem, dev, dt)
-    dht_c = dht.float().contiguous() if dht is not None else None
     tag = saved["tag"]
-    pointers = {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "do": do_p.data_ptr(),
-                "agb": saved["agb"].data_ptr(), "p": saved["p"].data_ptr(), "eg_t": saved["eg_t"].data_ptr(),
-                "et_t": saved["et_t"].data_ptr(), "dht": (dht_c if dht_c is not None else dhs).data_ptr(),
-                "cu_seqlens": saved["cu"].data_ptr(), "chunk_offsets": saved["offsets"].data_ptr(),
-                "dhs": dhs.data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(), "dh0": dhs.data_ptr(),
-                "rend": saved["offsets"].data_ptr(), "rfallback": saved["offsets"].data_ptr(),
-                "seq_order": saved["order"].data_ptr()}
+    pointers = dict(_dh_pointers(saved, do_p, dht_c, dhs), x=x.data_ptr(), dv=dv.data_ptr())
     sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0), ordered=1)
     chains, seg = None, None
     if "cp" in saved:
         seg, rend, rfallback = saved["cp"]
-        pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(),
-                        rfallback=rfallback.data_ptr())
-        ds_out = ops.cp_pre_pass_and_combine(DH_KERNEL, problem, tag, seg, rfallback,
-                                             dict(sizes, use_dht=0, store_dh0=1, ordered=0), pointers, "dh0", dht_c, True,
-                                             ops.current_stream(dev), (rend,))
+        if ds_out is None:
+            ds_out = _dh_cp_pre_pass(problem, saved, seg, rend, rfallback, do_p, dht_c)
         # the segments run as sequences from the gradient of the state leaving each
-        pointers.update(dht=ds_out.data_ptr())
+        pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), dht=ds_out.data_ptr())
         sizes.update(N=seg.count, use_dht=1, ordered=0)  # equal segments: dispatched in index order
         chains = seg.count
     dh0 = ops._empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None

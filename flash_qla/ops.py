@@ -168,7 +168,7 @@ def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointer
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
-            g_is_cumsum: bool = False):
+            g_is_cumsum: bool = False, after_cp_tables=None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
@@ -176,7 +176,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
     build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
     With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
-    with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so)."""
+    with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so).
+    ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
+    launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own)."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     dt = q.dtype
@@ -254,7 +256,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                      sizes=sizes, tag=tag, order=order)
         chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
-            seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True)
+            seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,
+                                                  after_tables=after_cp_tables)
             saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0), seg.count
@@ -345,12 +348,14 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = 
 
 
 def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream,
-                     bidi: bool = False):
+                     bidi: bool = False, after_tables=None):
     """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
     decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
     [S, Hv, K, V] fp32, reverse), h_in[s] the state entering segment s, reverse the backward's warm-up tables
     (bidi) or None."""
     seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi)
+    if after_tables is not None:
+        after_tables(seg, reverse)
     pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
                fallback=fallback.data_ptr())
     h_in = cp_pre_pass_and_combine(OUT_KERNEL, problem, tag, seg, fallback, dict(sizes, use_h0=0, store_ht=1), pre,
@@ -360,12 +365,13 @@ def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: 
 
 def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
                             pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
-                            keep=()) -> torch.Tensor:
+                            keep=(), side_name: str = "side") -> torch.Tensor:
     """The CP pre-pass of a chain kernel (gdn_fwd_st for the forward, gdn_bwd_dh for the backward: its "state"
     build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
     gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
     pointer its CP builds store to; boundary: h0 (forward) or dht (backward), or None for zeros. Returns
-    [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it."""
+    [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it. side_name: the
+    transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own)."""
     dev = seg.cu.device
     Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
     # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
@@ -375,7 +381,7 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     seg_sizes = dict(sizes, N=S)
     # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
     # (fork / join by events, so a CUDA graph captures them as parallel branches)
-    main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+    main, side = torch.cuda.current_stream(dev), _side_stream(dev, side_name)
     side.wait_stream(main)
     _launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
             dict(pre, **{out_key: out.data_ptr()}), stream)

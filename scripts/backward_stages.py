@@ -45,7 +45,7 @@ def main():
         do_p = ops._packed(x.do)
 
         def dh():
-            out["r"] = backward._reverse_recurrence(problem, st, do_p, x.dht, x.h0 is not None)
+            out["r"] = backward._reverse_recurrence(problem, st, do_p, x.dht.float().contiguous(), x.h0 is not None)
         t_dh = median_ms(dh)
         dv, xx, dhs, _ = out["r"]
         t_chunk = median_ms(lambda: backward._chunk_kernel(problem, st, do_p, xx, dv, dhs))

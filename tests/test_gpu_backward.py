@@ -94,7 +94,9 @@ def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
     monkeypatch.setattr(ops, "cp_pre_pass_and_combine",
                         lambda kernel, *a, **kw: passes.append(kernel) or real(kernel, *a, **kw))
     got_cp = grads(x, do, dht)
-    assert passes == ["gdn_fwd_st", "gdn_fwd_st", "gdn_bwd_dh"]  # forward, recompute, the dh chain
+    # the forward's; then the backward's reverse pre-pass, launched as soon as the recompute's tables are, before the
+    # recompute's own
+    assert passes == ["gdn_fwd_st", "gdn_bwd_dh", "gdn_fwd_st"]
     check(got_cp, want, TOL, f"CP recompute {tag}")
     monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)
     got_plain = grads(x, do, dht)
@@ -199,7 +201,7 @@ def test_fused_chunk_stage_matches_the_torch_specification(K, V):
     ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
                 False, want_gate_free_inverse=True, saved=saved)
     do_p = ops._packed(do)
-    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht, True)
+    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
     fused = backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)
     spec = backward._chunk_parallel(problem, saved, do_p, xx, dv, dhs)
     errs = {n: reference.relative_l2(a, b) for n, a, b in zip(("dq", "dk", "dbeta", "dg"), fused, spec)}
