@@ -165,9 +165,15 @@ def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     ks = to_slots(saved["k"], m).repeat_interleave(ratio, dim=1)
     valid = to_slots(torch.ones(T, 1, device=do_p.device), m).expand(slots, Hv, ops.CHUNK)
     gamma = saved["gam_t"].view(Hv, slots, ops.CHUNK).transpose(0, 1)
+    # the slots past the last chunk are never written (ops.chunk_slot_states): zeroed in copies (x 0 in the batched
+    # products; a host read of the chunk count is fine in this specification path)
+    used = int(saved["offsets"][-1])
+    hs, dhs = (t.to(compute_dtype(t), copy=True) for t in (saved["hs"], dhs))
+    hs[used:] = 0
+    dhs[used:] = 0
     dq, dk, dbeta, dgamma = chunk_gradients(
         qs, ks, to_slots(do_p, m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
-        to_slots(x, m), to_slots(dv, m), saved["hs"].to(compute_dtype(saved["hs"])), dhs.to(compute_dtype(dhs)),
+        to_slots(x, m), to_slots(dv, m), hs, dhs,
         to_slots(saved["A"], m), to_slots(saved["beta"], m), gamma, valid, problem.scale)
     dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2)
     dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2)

@@ -146,13 +146,11 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
 
 
 def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
-    """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last
-    chunk (at most N, all at the end: slots = ceil(T / 64) + N bounds the chunk count) are zeroed, since the
-    torch specification of the chunk stage reads every slot (x 0). Zeroing only those replaced a full memset
-    (~0.04 ms per tensor on the 8k rows)."""
-    states = _empty(slots, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, device=device, dtype=dtype)
-    states[max(slots - problem.num_seqs, 0):].zero_()
-    return states
+    """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last chunk
+    (slots = ceil(T / 64) + N bounds the chunk count) are left as they are: no kernel reads them (gdn_bwd_chunk's
+    CTAs past the last chunk return at once), and the torch specification of the chunk stage zeroes its own copy
+    (backward._chunk_parallel). A memset there was a node on the backward's critical path."""
+    return _empty(slots, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, device=device, dtype=dtype)
 
 
 def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers: dict, stream=None) -> None:
