@@ -119,14 +119,15 @@ def _cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) ->
 
 
 def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
-             stream=None) -> Tuple[torch.Tensor, torch.Tensor]:
+             stream=None, want_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cu_seqlens int32, chunk_offsets int32, seq_order int32) on the device: one small planning kernel, no host
-    synchronisation. seq_order lists the sequences longest first: the chain kernels' dispatch order."""
+    synchronisation. seq_order (with want_order; unwritten otherwise) lists the sequences longest first: the
+    backward's chain kernels' dispatch order."""
     cu = _cu_seqlens(problem, cu_seqlens, device)
     N = problem.num_seqs
     plan = torch.empty(2 * N + 1, device=cu.device, dtype=torch.int32)  # one allocation for both tables
     offsets, order = plan[:N + 1], plan[N + 1:]
-    _launch("gdn_plan", {"tile": 1024}, device, {"N": N},
+    _launch("gdn_plan", {"tile": 1024}, device, {"N": N, "want_order": int(want_order)},
             {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr()},
             stream)
     return cu, offsets, order
@@ -195,7 +196,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
                                output_final_state, use_qk_l2norm, tag, fused_bv, stream)
         return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
-    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream)
+    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
     agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
     # gate_free_inverse: the caller's A (checked by the API), read by gdn_prepare instead of solved again
     read_a = gate_free_inverse is not None

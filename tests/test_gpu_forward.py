@@ -222,7 +222,7 @@ def test_plan_kernel_chunk_offsets_and_order_match_torch():
             cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
             x = torch.zeros(1, 1, 1, 64, device="cuda").expand(1, int(cu[-1]), 1, 64)  # shapes only
             problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
-            _, offsets, order = ops._offsets(problem, cu, cu.device)
+            _, offsets, order = ops._offsets(problem, cu, cu.device, want_order=True)
             counts = (lens + 63) // 64
             want = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
             assert torch.equal(offsets.cpu().long(), want), n

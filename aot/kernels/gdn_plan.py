@@ -7,7 +7,8 @@ seq_order is the chain kernels' dispatch order (CTA z walks sequence seq_order[z
 lengths, and when they outnumber the SMs, a long chain whose CTAs happen to be dispatched last ends after
 everything else (hk4_hv8 32k_8seq: its 9932-token sequence is the seventh of eight). Longest first is the
 classic list-scheduling order. Up to one tile of sequences each thread ranks its own by counting the longer ones
-(ties: the lower index first); beyond that the sequences are many and short, and the order is the identity.
+(ties: the lower index first); beyond that the sequences are many and short, and the order is the identity. Only
+the backward's chains use it (want_order); the forward skips the ranking.
 """
 import tilelang.language as T
 
@@ -21,7 +22,7 @@ def build(tile: int):
 
     @T.prim_func
     def gdn_plan(cu_seqlens: T.Tensor((N + 1,), "int32"), chunk_offsets: T.Tensor((N + 1,), "int32"),
-                 seq_order: T.Tensor((N,), "int32")):
+                 seq_order: T.Tensor((N,), "int32"), want_order: T.int32):
         with T.Kernel(1, threads=THREADS) as _:
             counts = T.alloc_shared((tile,), "int32")
             lens = T.alloc_shared((tile,), "int32")  # chunk counts for the ranking (counts holds the scan)
@@ -40,7 +41,9 @@ def build(tile: int):
                 if T.get_thread_binding() == 0:
                     carry[0] = carry[0] + counts[tile - 1]
             tid = T.get_thread_binding()
-            if N <= tile:
+            if want_order == 0:  # the forward's chains do not use it (the ranking is O(N) per thread)
+                T.evaluate(0)
+            elif N <= tile:
                 lens[tid] = 0
                 if tid < N:
                     lens[tid] = T.ceildiv(cu_seqlens[tid + 1] - cu_seqlens[tid], C)
