@@ -1,11 +1,13 @@
 """The sm_90a GDN backward: recompute, reverse state recurrence, chunk-parallel gradients.
 
 1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
-   stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward. The save
+   stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward (the low-level
+   API's caller passes the forward's A and g cumsum, which gdn_prepare then reads as they are). The save
    build runs on a side stream beside step 2, which reads only gdn_prepare's outputs.
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
-   segments, from gradients a reverse warm-up pre-pass and a reverse combine give them.
+   segments, from gradients a reverse warm-up pre-pass and a reverse combine give them; that pre-pass starts on
+   its own stream as soon as the recompute's CP tables exist, beside the recompute's own pre-pass.
 3. gdn_bwd_chunk turns those into dq, dk, dbeta, dg per (chunk, v-head), fused (the math is
    flash_qla.chunk_grads', whose batched-torch form `_chunk_parallel` is the CPU-tested specification);
    one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass). With
