@@ -150,8 +150,8 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
                  "vnew": saved["vnew"].data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
-                 "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "cu_seqlens": saved["cu"].data_ptr(),
-                 "chunk_offsets": saved["offsets"].data_ptr(), "dq": dq.data_ptr(), "dk": dk.data_ptr(),
+                 "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "slot_rows": saved["slot_rows"].data_ptr(),
+                 "dq": dq.data_ptr(), "dk": dk.data_ptr(),
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
                  "k_raw": k_raw.data_ptr()})
     return dq, dk, dbeta, dg

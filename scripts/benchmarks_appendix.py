@@ -48,8 +48,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq (eager profile, `experiments/bwd_kernel_split_tma_stores_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.28 beside the gdn_fwd save build 0.21 (side stream, sharing the SMs), gdn_prepare 0.08: 0.84 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq (eager timeline, `experiments/chain_timeline_early_reverse_pre_pass_h200.jsonl`) | gdn_prepare 0.07, gdn_cp_plan 0.02, then the dh chain's pre-pass (warm-ups 0.16 beside transitions 0.10, combine 0.03) beside the recompute's (0.06 / 0.06, combine 0.03) and save build 0.14, then the dh chain 0.19 and gdn_bwd_chunk 0.42: 0.99 (graph) | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq (eager profile, `experiments/bwd_kernel_split_tma_stores_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.28 beside the gdn_fwd save build 0.21 (side stream, sharing the SMs), gdn_prepare 0.08: 0.83 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (eager timeline, `experiments/chain_timeline_early_reverse_pre_pass_h200.jsonl`) | gdn_prepare 0.07, gdn_cp_plan 0.02, then the dh chain's pre-pass (warm-ups 0.16 beside transitions 0.10, combine 0.03) beside the recompute's (0.06 / 0.06, combine 0.03) and save build 0.14, then the dh chain 0.19 and gdn_bwd_chunk 0.42: 0.98 (graph) | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
@@ -70,8 +70,8 @@ experiment records are in `bench/results/experiments/`):
 Latest session (backward and the CP planner kernel; H200 graph medians; records in
 `bench/results/experiments/chain_overlap_*_h200.jsonl`, `bwd_bench_chains_h200.jsonl`,
 `cp_plan_vars_kernel_split_h200.jsonl`, `bwd_bench_tma_stores_h200.jsonl`, `bwd_bench_read_a_h200.jsonl`,
-`bwd_bench_g_cumsum_h200.jsonl`, `bwd_bench_early_reverse_pre_pass_h200.jsonl`): geomean x FlashQLA 0.78 -> 1.00 (min
-0.65 -> 0.86), x best peer 0.74 -> 0.96.
+`bwd_bench_g_cumsum_h200.jsonl`, `bwd_bench_early_reverse_pre_pass_h200.jsonl`, `bwd_bench_slot_rows_h200.jsonl`):
+geomean x FlashQLA 0.78 -> 1.02 (min 0.65 -> 0.88), x best peer 0.74 -> 0.97.
 - The two chains of the backward really share the SMs now. gdn_fwd's save build and gdn_bwd_dh ask for the SM's
   whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
   an SM running one of them was split for that kernel alone and the other's CTAs could not join it: on hk16_hv32
@@ -104,6 +104,8 @@ Latest session (backward and the CP planner kernel; H200 graph medians; records 
   stream as soon as the recompute's CP tables are launched. It runs beside the recompute's pre-pass and save chain
   instead of after them: hk4_hv8 32k_1seq 1.126 -> 0.993 ms, 8k_1seq 0.369 -> 0.318. Forced segment lengths around
   the planner's choice are all slower now (`bwd_cp_segment_length_after_early_pre_pass_h200.jsonl`).
+- gdn_bwd_chunk reads each chunk's first row and valid rows from a slot table gdn_prepare writes (its own binary
+  search over the sequences had been a chain of dependent loads ahead of every CTA's tile loads): rows 1-2%.
 - The per-chunk state tensors no longer zero their unused tail slots. No kernel reads them, and the torch
   specification zeroes its own copies. That removes one memset from the critical path.
 - Measured, not acted on: hk4_hv8 32k_1seq at 32-chunk segments was 3% faster than the planner's 64 (before the

@@ -19,7 +19,7 @@ gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy
 """
 import tilelang.language as T
 
-from .common import L2NORM_EPS, last_at_most
+from .common import L2NORM_EPS
 
 C = 64
 BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
@@ -35,7 +35,6 @@ def build(dtype: str, K: int, V: int):
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
-    N = T.dynamic("N")
     TC = T.dynamic("TC")
 
     @T.macro
@@ -102,8 +101,7 @@ def build(dtype: str, K: int, V: int):
         dv: T.Tensor((NT, Hv, V), dt),
         hs: T.Tensor((TC // C, Hv, K, V), dt),
         dhs: T.Tensor((TC // C, Hv, K, V), dt),
-        cu_seqlens: T.Tensor((N + 1,), "int32"),
-        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        slot_rows: T.Tensor((TC // C, 2), "int32"),
         dq: T.Tensor((NT, Hq, K), dt),
         dk: T.Tensor((NT, Hq, K), dt),
         dbeta: T.Tensor((NT, Hv), "float32"),
@@ -113,7 +111,7 @@ def build(dtype: str, K: int, V: int):
         scale: T.float32,
         l2norm: T.int32,
     ):
-        with T.Kernel(T.ceildiv(NT, C) + N, Hq, threads=THREADS) as (bc, hk):
+        with T.Kernel(TC // C, Hq, threads=THREADS) as (bc, hk):  # every chunk slot (TC / 64 = ceil(T / 64) + N)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             a_s = T.alloc_shared((C, C), dt)
@@ -157,9 +155,7 @@ def build(dtype: str, K: int, V: int):
             db_s = T.alloc_shared((C,), "float32")
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
-            seq = T.alloc_local((2,), "int32")  # the binary search's bounds; seq[0]: this chunk's sequence
             t0 = T.alloc_var("int32")
-            eos = T.alloc_var("int32")
             valid = T.alloc_var("int32")
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
@@ -170,12 +166,11 @@ def build(dtype: str, K: int, V: int):
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
 
-            seq[1] = N
-            last_at_most(chunk_offsets, bc, seq)  # this chunk's sequence
-            if bc < chunk_offsets[N]:
-                t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
-                eos = cu_seqlens[seq[0] + 1]
-                valid = T.min(eos - t0, C)
+            # the chunk's first row and valid rows, as gdn_prepare found them (its binary search over the sequences
+            # was a chain of dependent loads ahead of every tile load here)
+            t0 = slot_rows[bc, 0]
+            valid = slot_rows[bc, 1]
+            if valid > 0:
                 # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
                 # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
                 R = Hv // Hq

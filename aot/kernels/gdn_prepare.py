@@ -71,6 +71,7 @@ def build(dtype: str, K: int):
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
         bkk_max: T.Tensor((Hv, TC // C), "float32"),
+        slot_rows: T.Tensor((TC // C, 2), "int32"),
         scale: T.float32,
         write_a: T.int32,
         hpc: T.int32,
@@ -128,6 +129,10 @@ def build(dtype: str, K: int):
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
                 eos = cu_seqlens[seq[0] + 1]
+                if hg == 0 and T.get_thread_binding() == 0:
+                    # the chunk's first row and valid rows, for gdn_bwd_chunk (one load instead of this search)
+                    slot_rows[bc, 0] = t0
+                    slot_rows[bc, 1] = T.min(eos - t0, C)
                 hk = hg * hpc // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
                 valid = T.min(eos - t0, C)
                 tid = T.get_thread_binding()
@@ -257,5 +262,8 @@ def build(dtype: str, K: int):
                             bkk_max[h, bc] = wmax
                     # the next head's solve overwrites ainv
                     T.sync_threads()
+            elif hg == 0 and T.get_thread_binding() == 0:  # a slot past the last chunk: no rows
+                slot_rows[bc, 0] = 0
+                slot_rows[bc, 1] = 0
 
     return gdn_prepare
