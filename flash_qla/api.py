@@ -104,8 +104,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     """Backward only, FlashQLA's low-level signature.
 
     ``g`` is the chunk-local cumsum returned by :func:`chunk_gated_delta_rule_fwd` and ``A`` its gate-free
-    inverse, which the kernels read instead of solving it again (None: solved; the reference recomputes it). Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dg taken with respect to the raw g and
-    dh0 None when there is no initial state.
+    inverse, which the kernels read instead of solving it again (None: solved; the reference recomputes it).
+    Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dg taken with respect to the raw g and dh0 None when there is no
+    initial state.
     """
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if tuple(do.shape) != tuple(v.shape):
@@ -127,7 +128,8 @@ def _check_gate_free_inverse(A, q, problem) -> None:
     q's device (the kernels read it in place of solving it again)."""
     want = (problem.batch, problem.tokens, problem.num_v_heads, 64)
     if not isinstance(A, torch.Tensor):
-        raise TypeError(f"A must be a tensor (chunk_gated_delta_rule_fwd's gate-free inverse) or None, got {type(A).__name__}")
+        raise TypeError("A must be a tensor (chunk_gated_delta_rule_fwd's gate-free inverse) or None, got "
+                        f"{type(A).__name__}")
     if tuple(A.shape) != want:
         raise ValueError(f"A must have shape [B, T, Hv, 64] = {want} (chunk_gated_delta_rule_fwd's gate-free "
                          f"inverse), got {tuple(A.shape)}")

@@ -208,7 +208,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # one allocation for the four fp32 tiles and the int32 slot table (eager calls are host-bound on small rows: each
     # allocation costs ~3 us); slot_rows[s] = (first row, valid rows) of chunk slot s, for gdn_bwd_chunk
     slots = TC // CHUNK
-    tiles = _empty(3 * Hv * TC + Hv * slots + 2 * slots, device=dev, dtype=torch.float32)
+    slot_rows_at = 3 * Hv * TC + Hv * slots  # elements before the slot table
+    tiles = _empty(slot_rows_at + 2 * slots, device=dev, dtype=torch.float32)
     tile_ptr = [tiles.data_ptr() + i * Hv * TC * 4 for i in range(4)]  # eg, et, gamma, bkk_max
 
     def tile(i: int) -> torch.Tensor:  # tile i as a tensor (views cost ~2 us: made only where tensors are kept)
@@ -230,7 +231,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
-             "slot_rows": tiles.data_ptr() + (3 * Hv * TC + Hv * slots) * 4}, stream)
+             "slot_rows": tiles.data_ptr() + slot_rows_at * 4}, stream)
     qp, kp = qn, kn
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
@@ -256,7 +257,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
                      sizes=sizes, tag=tag, order=order,
-                     slot_rows=tiles[3 * Hv * TC + Hv * slots:].view(torch.int32).view(slots, 2))
+                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2))
         chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
             seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,

@@ -46,33 +46,6 @@ def _plan(chains: int, head_dim_v: int, blocks: tuple, num_sms: int, costs: tupl
     return min(reversed(blocks), key=lambda bv: chain_time(chains, head_dim_v, bv, num_sms, table))
 
 
-# A packed batch of several sequences (no CP) gives chains of unequal lengths that the host does not see (it knows
-# only the token and sequence counts). Its CTAs do not run in waves: gdn_plan dispatches the longest sequences first
-# and the short chains fill in behind, so a chain kernel takes about the longest chain or all the work spread over
-# the SMs, whichever is longer. The longest chain is taken as IRREGULAR_SKEW times the mean: the matrix's batches
-# have 2.4x and 3.1x (32k_8seq, 8k_8seq). Measured on the H200 (gdn_bwd_dh, bench/results/experiments/
-# chain_overlap_h200.jsonl): hk4_hv8 8k_8seq and 32k_8seq (64 chains) run 15% and 9% faster in the whole backward at
-# BV = 32 (256 CTAs, "two waves") than at 64; hk16_hv32's (256 chains) stay at 64, as this model says.
-IRREGULAR_SKEW = 2.0
-
-
-def irregular_chain_time(chunks: float, chains: int, head_dim_v: int, bv: int, num_sms: int,
-                         costs: Dict[int, float] = STAGED_CHAIN_COST) -> float:
-    """Relative time of `chains` chains of unequal lengths, `chunks` chunks in all, split into V blocks of bv."""
-    work = chunks * (head_dim_v // bv) / num_sms
-    return max(IRREGULAR_SKEW * chunks / chains, work) * costs.get(bv, bv / 64)
-
-
-@functools.lru_cache(maxsize=4096)
-def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, available: tuple,
-                           num_sms: int, costs: tuple) -> int:
-    """The V block for the chains of a batch of num_seqs > 1 sequences of unknown lengths (ties: the wider)."""
-    table = dict(costs)
-    chunks = tokens / 64 * num_v_heads
-    return min(sorted(set(available), reverse=True),
-               key=lambda bv: irregular_chain_time(chunks, num_seqs * num_v_heads, head_dim_v, bv, num_sms, table))
-
-
 # gdn_prepare: one CTA per (chunk, group of hpc v-heads sharing a q / k head). The group shares the prologue
 # (chunk lookup, q / k tiles, g / beta loads, both 64 x 64 x K products); each head adds its solve and stores.
 PREPARE_MAX_HEADS = 4      # aot/kernels/gdn_prepare.py HPC_MAX
@@ -111,7 +84,7 @@ L2NORM_PREPARE_CTAS = 1.0
 L2NORM_FUSED_CHUNK_US = 0.7
 
 
-def _chain_us(chunks: float, chains: int, blocks_per_chain: int, num_sms: int, per_chunk_us: float) -> float:
+def _chain_us(chunks: float, chains: float, blocks_per_chain: int, num_sms: int, per_chunk_us: float) -> float:
     """`chunks` (summed over the chains) in `chains` chains of `blocks_per_chain` CTAs each, one CTA per SM: the
     longer of the average chain and the total work spread over the SMs (the host knows only the token and
     sequence counts, not the lengths)."""
@@ -123,6 +96,29 @@ def _fused_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num
     chunks = tokens / 64
     return _chain_us(chunks * num_v_heads, num_seqs * num_v_heads, head_dim_v // bv, num_sms,
                      FUSED_CHUNK_US[bv] + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0))
+
+
+# A packed batch of several sequences (no CP) gives chains of unequal lengths that the host does not see (it knows
+# only the token and sequence counts). Its CTAs do not run in waves: gdn_plan dispatches the longest sequences first
+# and the short chains fill in behind, so a chain kernel takes about the longest chain or all the work spread over
+# the SMs, whichever is longer (_chain_us). The longest chain is taken as IRREGULAR_SKEW times the mean: the
+# matrix's batches have 2.4x and 3.1x (32k_8seq, 8k_8seq). Measured on the H200 (gdn_bwd_dh,
+# bench/results/experiments/chain_overlap_h200.jsonl): hk4_hv8 8k_8seq and 32k_8seq (64 chains) run 15% and 9%
+# faster in the whole backward at BV = 32 (256 CTAs, "two waves") than at 64; hk16_hv32's (256 chains) stay at 64,
+# as this model says.
+IRREGULAR_SKEW = 2.0
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, available: tuple,
+                           num_sms: int, costs: tuple) -> int:
+    """The V block for the chains of a batch of num_seqs > 1 sequences of unknown lengths (ties: the wider)."""
+    table = dict(costs)
+    chunks = tokens / 64 * num_v_heads
+    # the longest chain, IRREGULAR_SKEW times the mean, is the mean of IRREGULAR_SKEW times fewer chains
+    chains = num_seqs * num_v_heads / IRREGULAR_SKEW
+    return min(sorted(set(available), reverse=True),
+               key=lambda bv: _chain_us(chunks, chains, head_dim_v // bv, num_sms, table.get(bv, bv / 64)))
 
 
 @functools.lru_cache(maxsize=4096)
