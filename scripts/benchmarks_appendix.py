@@ -71,7 +71,8 @@ Latest session (backward and the CP planner kernel; H200 graph medians; records 
 `bench/results/experiments/chain_overlap_*_h200.jsonl`, `bwd_bench_chains_h200.jsonl`,
 `cp_plan_vars_kernel_split_h200.jsonl`, `bwd_bench_tma_stores_h200.jsonl`, `bwd_bench_read_a_h200.jsonl`,
 `bwd_bench_g_cumsum_h200.jsonl`, `bwd_bench_early_reverse_pre_pass_h200.jsonl`, `bwd_bench_slot_rows_h200.jsonl`):
-geomean x FlashQLA 0.78 -> 1.02 (min 0.65 -> 0.88), x best peer 0.74 -> 0.97.
+geomean x FlashQLA 0.78 -> 1.01 (min 0.65 -> 0.87; 1.02 / 0.88 in the run before the review
+mends, run-to-run spread), x best peer 0.74 -> 0.97.
 - The two chains of the backward really share the SMs now. gdn_fwd's save build and gdn_bwd_dh ask for the SM's
   whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
   an SM running one of them was split for that kernel alone and the other's CTAs could not join it: on hk16_hv32

@@ -28,10 +28,7 @@ VARIANT_RULE = "BV <= V"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
-# The backward runs gdn_fwd's save build and gdn_bwd_dh's chain side by side (their CTAs fit one SM together):
-# both ask for the SM's whole shared-memory carveout. Left to the driver, an SM running one of them is split for
-# that kernel alone and the other's CTA cannot join it (hk16_hv32 8k_1seq: the chains ran one after the other,
-# 1.07 ms; side by side 0.96). Other kernels keep the driver's split (more L1: TP8 forward rows were 1.5% faster).
+# the whole shared-memory carveout: this save build shares its SMs with gdn_bwd_dh's chain (why: gdn_bwd_dh.py)
 SHARED_CARVEOUT = 100
 
 

@@ -41,22 +41,21 @@ def build(tile: int):
                 if T.get_thread_binding() == 0:
                     carry[0] = carry[0] + counts[tile - 1]
             tid = T.get_thread_binding()
-            if want_order == 0:  # the forward's chains do not use it (the ranking is O(N) per thread)
-                T.evaluate(0)
-            elif N <= tile:
-                lens[tid] = 0
-                if tid < N:
-                    lens[tid] = T.ceildiv(cu_seqlens[tid + 1] - cu_seqlens[tid], C)
-                T.sync_threads()
-                if tid < N:
-                    rank = 0
-                    for m in T.serial(N):
-                        if lens[m] > lens[tid] or (lens[m] == lens[tid] and m < tid):
-                            rank = rank + 1
-                    seq_order[rank] = tid
-            else:
-                for blk in T.serial(T.ceildiv(N, tile)):
-                    if blk * tile + tid < N:
-                        seq_order[blk * tile + tid] = blk * tile + tid
+            if want_order != 0:  # the forward's chains do not use the order (the ranking is O(N) per thread)
+                if N <= tile:
+                    lens[tid] = 0
+                    if tid < N:
+                        lens[tid] = T.ceildiv(cu_seqlens[tid + 1] - cu_seqlens[tid], C)
+                    T.sync_threads()
+                    if tid < N:
+                        rank = 0
+                        for m in T.serial(N):
+                            if lens[m] > lens[tid] or (lens[m] == lens[tid] and m < tid):
+                                rank = rank + 1
+                        seq_order[rank] = tid
+                else:
+                    for blk in T.serial(T.ceildiv(N, tile)):
+                        if blk * tile + tid < N:
+                            seq_order[blk * tile + tid] = blk * tile + tid
 
     return gdn_plan

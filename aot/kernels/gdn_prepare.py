@@ -129,13 +129,13 @@ def build(dtype: str, K: int):
             if bc < chunk_offsets[N]:
                 t0 = cu_seqlens[seq[0]] + (bc - chunk_offsets[seq[0]]) * C
                 eos = cu_seqlens[seq[0] + 1]
-                if hg == 0 and T.get_thread_binding() == 0:
-                    # the chunk's first row and valid rows, for gdn_bwd_chunk (one load instead of this search)
-                    slot_rows[bc, 0] = t0
-                    slot_rows[bc, 1] = T.min(eos - t0, C)
                 hk = hg * hpc // (Hv // Hq)  # in a register: inlined, the division repeats per loaded element
                 valid = T.min(eos - t0, C)
                 tid = T.get_thread_binding()
+                if hg == 0 and tid == 0:
+                    # the chunk's first row and valid rows, for gdn_bwd_chunk (one load instead of this search)
+                    slot_rows[bc, 0] = t0
+                    slot_rows[bc, 1] = valid
                 # Unmasked q / k tiles: rows past the sequence end (the next sequence's, or zero past T) only
                 # reach rows >= valid of K K^T, Q K^T and A, which are never stored nor read by valid rows.
                 # Both tiles by TMA (one elected thread; rows past T arrive as zeros) while every thread
