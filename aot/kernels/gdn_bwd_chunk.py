@@ -240,6 +240,8 @@ def build(dtype: str, K: int, V: int):
                         b_s[tid] = rowv[2]
                         dg_s[tid] = 0.0
                         db_s[tid] = 0.0
+                    # Q K^T (cc is free until its first use below) runs under the state terms' passes
+                    T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(a_bar[0])
                     T.mbarrier_wait_parity(a_bar[0], r % 2)
                     T.reduce_sum(hf, rp, dim=1)
@@ -267,7 +269,8 @@ def build(dtype: str, K: int, V: int):
                         dg_s[i] += r23[i] - 2.0 * r3_s[i]
 
                     # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
-                    T.gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
                     for i, j in T.Parallel(C, C):
                         dP[i, j] = T.if_then_else(
                             i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
@@ -279,9 +282,8 @@ def build(dtype: str, K: int, V: int):
                         dg_s[i] -= cp[i]
                     T.wgmma_gemm(m_s, k_s, dqf)
                     T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
-                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
+                    # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
+                    # (before m_s is rewritten) covers these reads of m_s
 
                     # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
                     for i, j in T.Parallel(C, C):
@@ -316,8 +318,7 @@ def build(dtype: str, K: int, V: int):
                         db_s[i] += dbr[i]
                     T.wgmma_gemm(t_s, k_s, dkf)
                     T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
+                    # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
 
                     # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
                     # total and eg_last * sum(S * dS')
@@ -339,6 +340,9 @@ def build(dtype: str, K: int, V: int):
                     # the group's running sums: each thread reads and writes only its own fragment elements. As
                     # one read-modify-write loop TileLang could not prove that and put a CTA barrier in each of its
                     # 16 unrolled steps; a read loop, then a write loop, have none inside
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
+                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
                     if r > 0:
                         for i, d in T.Parallel(C, K):
                             dqf[i, d] += dqa_s[i, d]
