@@ -3,7 +3,7 @@
 1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward (the low-level
    API's caller passes the forward's A and g cumsum, which gdn_prepare then reads as they are). The save
-   build runs on a side stream beside step 2, which reads only gdn_prepare's outputs.
+   build runs before step 2 on the caller's stream (SAVE_CHAIN_BESIDE_DH: beside it, which hung now and then).
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
    segments, from gradients a reverse warm-up pre-pass and a reverse combine give them; that pre-pass starts on
@@ -27,6 +27,11 @@ from .validation import Problem
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
+# The save chain beside the dh chain (on a side stream, sharing the SMs) was 10-15% faster, but gdn_fwd's save build
+# then hung now and then (never finished; scripts/hunt_backward_hang.py, H200: stalls at sequences 3, 130 and 148
+# of its loop, always in that kernel while gdn_bwd_dh ran beside it; 970 sequences with the chains one after the
+# other never stalled). The cause is not found: the chains run in order until it is. (Experiments may set True.)
+SAVE_CHAIN_BESIDE_DH = False
 
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
@@ -38,10 +43,11 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     cumsum (that API's form; dg is still with respect to the raw g)."""
     dt = q.dtype
     saved: dict = {}
-    # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: the save
-    # chain runs on a side stream beside the dh chain (fork / join by events, parallel branches in a CUDA graph);
-    # their CTAs fit on one SM together, so the two latency-bound chains share the SMs
-    main, side = torch.cuda.current_stream(q.device), ops._side_stream(q.device, "save_chain")
+    # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
+    # SAVE_CHAIN_BESIDE_DH the save chain runs on a side stream beside the dh chain (fork / join by events, parallel
+    # branches in a CUDA graph), else before it on the caller's stream
+    main = torch.cuda.current_stream(q.device)
+    side = ops._side_stream(q.device, "save_chain") if SAVE_CHAIN_BESIDE_DH else None
     with torch.no_grad():
         do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
         dht_c = dht.float().contiguous() if dht is not None else None
@@ -67,7 +73,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
             main.wait_stream(early["stream"])
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
                                               early.get("ds_out"))
-        main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew
+        if side is not None:
+            main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (ops._dense(q), ops._dense(k)) if use_qk_l2norm else None
         dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
     shape = (problem.batch, problem.tokens)

@@ -6,6 +6,8 @@ stress_backward.py replays one captured graph and never stalled; the bench stall
 its stream, so when a phase makes no progress for WATCHDOG_S the script prints, per stream, the first launch whose
 event has not completed (the kernel that is stuck, or the one waiting behind it), then exits with status 2.
 usage: python scripts/hunt_backward_hang.py ROW_SUBSTRING [SECONDS_PER_ROW] [WATCHDOG_S]
+(HUNT_SAVE_BESIDE_DH=1: flash_qla.backward.SAVE_CHAIN_BESIDE_DH, the save chain on a side stream beside the dh
+chain, the arrangement that stalled; by default the chains run one after the other)
 """
 import os
 import sys
@@ -14,12 +16,13 @@ import time
 
 import torch
 
+import flash_qla.backward as backward
 import flash_qla.ops as ops
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
 from flash_qla.bench.workloads import backward_call, forward_for_backward
 
-STATE = {"phase": "start", "tick": 0, "trace": True, "launches": []}
+STATE = {"phase": "start", "tick": 0, "trace": True, "launches": [], "call": 0}
 _launch = ops._launch
 
 
@@ -29,17 +32,25 @@ def traced_launch(name, variant, device, sizes, pointers, stream=None):
         handle = stream if stream is not None else ops.current_stream(device)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.ExternalStream(handle, device=device))
-        STATE["launches"].append((name, dict(variant), handle, ev))
+        STATE["launches"].append((name, dict(variant), handle, ev, STATE["call"], time.time()))
 
 
 def report_stall():
     print(f"STALL in phase {STATE['phase']} (iteration {STATE['tick']})", flush=True)
+    launches = STATE["launches"]
+    done = [ev.query() for _, _, _, ev, _, _ in launches]
     seen = set()
-    for name, variant, handle, ev in STATE["launches"]:
-        if handle in seen or ev.query():
-            continue
-        seen.add(handle)
-        print(f"  stream {handle:#x}: first unfinished launch {name} {variant}", flush=True)
+    for (name, variant, handle, ev, call, _), ok in zip(launches, done):
+        if handle not in seen and not ok:
+            seen.add(handle)
+            print(f"  stream {handle:#x}: first unfinished launch {name} {variant} (call {call})", flush=True)
+    first = min([i for i, ok in enumerate(done) if not ok], default=len(done))
+    t_end = launches[-1][5] if launches else 0.0
+    print(f"  launches this phase: {len(launches)}; from {max(first - 4, 0)} (host time before the last launch):")
+    for i in range(max(first - 4, 0), min(len(launches), first + 36)):
+        name, variant, handle, _, call, t = launches[i]
+        print(f"   {i:3d} call {call} {'done' if done[i] else 'PENDING'} {handle:#x} {name} "
+              f"{variant.get('mode', '')} BV={variant.get('BV', '')} {t_end - t:.3f}s", flush=True)
     os._exit(2)
 
 
@@ -59,12 +70,52 @@ def phase(name):
     STATE["launches"].clear()
 
 
+def watch_plan_tables():
+    """Keep every call's device planning tables (cu_seqlens, chunk_offsets, seq_order) with a host copy taken once
+    they are written: check_tables() then tells whether any kernel wrote them later (a producer and consumer
+    warpgroup that read them at different times could disagree on the chunk count and wait on each other)."""
+    offsets = ops._offsets
+
+    def kept(problem, cu_seqlens, device, stream=None, want_order=False):
+        cu, off, order = offsets(problem, cu_seqlens, device, stream, want_order)
+        STATE.setdefault("tables", []).append((cu, off, order if want_order else None))
+        return cu, off, order
+    ops._offsets = kept
+
+
+def check_tables():
+    """After a synchronize: every kept call's tables must still be what gdn_plan wrote from its cu_seqlens (then they
+    are dropped)."""
+    bad = 0
+    for tabs in STATE.pop("tables", []):
+        cu, off, order = (t.cpu() if t is not None else None for t in tabs)
+        counts = (cu[1:] - cu[:-1] + 63) // 64
+        want_off = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+        if not torch.equal(off, want_off):
+            bad += 1
+            print(f"TABLE CHANGED: chunk_offsets {off.tolist()[:8]} != {want_off.tolist()[:8]}", flush=True)
+        if order is not None and sorted(order.tolist()) != list(range(len(order))):
+            bad += 1
+            print(f"TABLE CHANGED: seq_order {order.tolist()[:8]} is not a permutation", flush=True)
+    return bad
+
+
+def counted(call):
+    def run():
+        STATE["call"] += 1
+        return call()
+    return run
+
+
 def main():
     want = sys.argv[1]
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 60.0
     limit_s = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
     ops._launch = traced_launch
-    threading.Thread(target=watchdog, args=(limit_s,), daemon=True).start()
+    watch_plan_tables()
+    if os.environ.get("HUNT_SAVE_BESIDE_DH") == "1":  # the arrangement that hung: save chain beside the dh chain
+        backward.SAVE_CHAIN_BESIDE_DH = True
+        print("save chain beside the dh chain", flush=True)
     for row in iter_rows(load_matrix(), ("bwd",), want):
         start, n = time.time(), 0
         while time.time() - start < seconds:
@@ -72,11 +123,12 @@ def main():
             phase("inputs")
             x = draw_inputs(row, "cuda", seed=1000 + n)
             g_cumsum, A = forward_for_backward(x, "kernels")
-            call = backward_call(x, g_cumsum, A, "kernels")
+            call = counted(backward_call(x, g_cumsum, A, "kernels"))
             phase("eager")
             for _ in range(5):
                 call()
             torch.cuda.synchronize()
+            check_tables()
             phase("side warm-ups")
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -85,12 +137,14 @@ def main():
                     call()
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
+            check_tables()
             phase("capture")
             STATE["trace"] = False
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 call()
             STATE["trace"] = True
+            STATE.pop("tables", None)  # the capture's tables live in the graph's pool
             phase("replay")
             for _ in range(20):
                 graph.replay()
@@ -99,6 +153,7 @@ def main():
             for _ in range(10):
                 call()
             torch.cuda.synchronize()
+            check_tables()
             del graph
             n += 1
         print(f"{row.key}: {n} full sequences in {time.time() - start:.0f} s, no stall", flush=True)
