@@ -48,7 +48,7 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq (eager profile, `experiments/bwd_kernel_split_tma_stores_h200.jsonl`) | gdn_bwd_chunk 0.42, gdn_bwd_dh 0.28 beside the gdn_fwd save build 0.21 (side stream, sharing the SMs), gdn_prepare 0.08: 0.83 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk16_hv32 8k_1seq (eager profile, `experiments/bwd_kernel_split_tma_stores_h200.jsonl`, before the chains ran in order) | gdn_bwd_chunk 0.41, gdn_bwd_dh 0.28 and the gdn_fwd save build 0.21 (now one after the other), gdn_prepare 0.08: 0.94 (graph) | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
 | bwd hk4_hv8 32k_1seq (eager timeline, `experiments/chain_timeline_early_reverse_pre_pass_h200.jsonl`) | gdn_prepare 0.07, gdn_cp_plan 0.02, then the dh chain's pre-pass (warm-ups 0.16 beside transitions 0.10, combine 0.03) beside the recompute's (0.06 / 0.06, combine 0.03) and save build 0.14, then the dh chain 0.19 and gdn_bwd_chunk 0.42: 0.98 (graph) | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
@@ -67,14 +67,34 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (backward and the CP planner kernel; H200 graph medians; records in
+Latest session (2026-11-22, eighth; backward; H200 graph medians; records in `bench/results/experiments/`):
+geomean x FlashQLA 1.01 -> 0.94 (min 0.87 -> 0.81), x best peer 0.97 -> 0.90. The backward is slower than at the
+last session's end because it no longer hangs:
+- The bench had stalled twice (a row never finished). `scripts/hunt_backward_hang.py` repeats the bench's sequence
+  for one row and names the kernel a stall is in: gdn_fwd's save build, running beside gdn_bwd_dh on a side stream,
+  sometimes never finished (3 stalls in ~280 sequences of hk16_hv32 32k_1seq, all in eager calls). With the two
+  chains one after the other, 1,343 sequences (~24,000 eager calls, ~27,000 graph replays) never stalled. The cause
+  is not found (`backward_hang_hunt_h200.md` lists what was ruled out), so the chains now run in order
+  (`backward.SAVE_CHAIN_BESIDE_DH = False`). That costs up to 38% on some rows (hk16_hv32 8k_1seq 0.822 -> 0.936 ms,
+  32k_1seq 3.15 -> 3.60, hk4_hv8 32k_8seq 0.90 -> 1.05); finding the cause would win it back.
+- Run in order, the save build's V block for a batch is planned like the dh chain's (unequal chains): hk4_hv8
+  8k_8seq 0.345 -> 0.321 ms, 32k_8seq 1.123 -> 1.048 (`chain_plans_in_order_h200.txt`).
+- gdn_bwd_chunk issues Q K^T before the state terms' passes and defers the waits of the products that accumulate dq /
+  dk until those are next read: every bwd row 1.5-2% faster (`bwd_bench_epilogue_async_h200.jsonl`).
+- Tried and reverted: the GVA group's dq / dk summed in registers across heads (each state product's row factor
+  on a register A operand, dgamma's row sums from three extra K-deep products a V block), which freed the shared
+  running sums for a four-stage V-block ring. It was correct (74 backward GPU tests) but 18-36% slower: the extra
+  products and operand scaling cost more in the V-block loop than the removed passes saved
+  (`bwd_bench_chunk_group_accumulators_h200.jsonl`, the kernel in `gdn_bwd_chunk_group_accumulators_attempt.py.txt`).
+
+Session of 2026-11-22, seventh (backward and the CP planner kernel; H200 graph medians; records in
 `bench/results/experiments/chain_overlap_*_h200.jsonl`, `bwd_bench_chains_h200.jsonl`,
 `cp_plan_vars_kernel_split_h200.jsonl`, `bwd_bench_tma_stores_h200.jsonl`, `bwd_bench_read_a_h200.jsonl`,
 `bwd_bench_g_cumsum_h200.jsonl`, `bwd_bench_early_reverse_pre_pass_h200.jsonl`, `bwd_bench_slot_rows_h200.jsonl`):
 geomean x FlashQLA 0.78 -> 1.01 (min 0.65 -> 0.87; 1.02 / 0.88 in the run before the review
 mends, run-to-run spread), x best peer 0.74 -> 0.97.
-- The two chains of the backward really share the SMs now. gdn_fwd's save build and gdn_bwd_dh ask for the SM's
-  whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
+- The two chains of the backward shared the SMs (until the eighth session ran them in order). gdn_fwd's save
+  build and gdn_bwd_dh ask for the SM's whole shared-memory carveout (manifest field `shared_carveout`, set by the launcher at load). Left to the driver,
   an SM running one of them was split for that kernel alone and the other's CTAs could not join it: on hk16_hv32
   8k_1seq the chains ran one after the other (the timeline showed the dh chain stretched by exactly the save build's
   overlap). hk16_hv32 8k_1seq 1.07 -> 0.95 ms, 32k_1seq 4.00 -> 3.54. Only those two kernels take it: with every
