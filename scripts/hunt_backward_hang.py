@@ -20,6 +20,7 @@ import flash_qla.backward as backward
 import flash_qla.ops as ops
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.bench.timing import warm_up_on_side_stream
 from flash_qla.bench.workloads import backward_call, forward_for_backward
 
 STATE = {"phase": "start", "tick": 0, "trace": True, "launches": [], "call": 0}
@@ -130,12 +131,7 @@ def main():
             torch.cuda.synchronize()
             check_tables()
             phase("side warm-ups")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
+            warm_up_on_side_stream(call, torch.device("cuda", torch.cuda.current_device()))
             torch.cuda.synchronize()
             check_tables()
             phase("capture")

@@ -15,6 +15,7 @@ import torch
 
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.bench.timing import warm_up_on_side_stream
 from flash_qla.bench.workloads import backward_call, forward_for_backward
 
 BATCH = 50
@@ -28,12 +29,7 @@ def main():
         x = draw_inputs(row, "cuda")
         g_cumsum, A = forward_for_backward(x, "kernels")
         call = backward_call(x, g_cumsum, A, "kernels")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_on_side_stream(call, torch.device("cuda", torch.cuda.current_device()))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             grads = call()

@@ -73,6 +73,17 @@ def eager_median_ms(fn: Callable[[], object], device: torch.device, warmup: int,
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def warm_up_on_side_stream(fn: Callable[[], object], device: torch.device, calls: int = 3) -> None:
+    """calls calls of fn on a fresh side stream, joined back: graph capture wants its warm-ups off the default
+    stream (the bench, scripts/stress_backward.py and scripts/hunt_backward_hang.py all do this before capturing)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
 def graph_median_ms(fn: Callable[[], object], device: torch.device, replays: int = GRAPH_REPLAYS,
                     rounds: int = GRAPH_ROUNDS) -> Tuple[Optional[float], Optional[str]]:
     """(median per-replay ms, None), or (None, why) when there is no graph: a CPU device, or a call
@@ -80,12 +91,7 @@ def graph_median_ms(fn: Callable[[], object], device: torch.device, replays: int
     if device.type != "cuda":
         return None, "no CUDA graphs on the CPU"
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm up off the default stream, as graph capture requires
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_up_on_side_stream(fn, device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
