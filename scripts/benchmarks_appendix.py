@@ -74,7 +74,9 @@ last session's end because it no longer hangs:
   for one row and names the kernel a stall is in: gdn_fwd's save build, running beside gdn_bwd_dh on a side stream,
   sometimes never finished (3 stalls in ~280 sequences of hk16_hv32 32k_1seq, all in eager calls). With the two
   chains one after the other, 1,343 sequences (~24,000 eager calls, ~27,000 graph replays) never stalled. The cause
-  is not found (`backward_hang_hunt_h200.md` lists what was ruled out), so the chains now run in order
+  is not found, but it needs a save-build CTA and a dh CTA on one SM: beside each other without the full
+  shared-memory carveout (so they cannot share an SM), 984 sequences never stalled (`backward_hang_hunt_h200.md`
+  lists what was ruled out). The chains now run in order
   (`backward.SAVE_CHAIN_BESIDE_DH = False`). That costs up to 38% on some rows (hk16_hv32 8k_1seq 0.822 -> 0.936 ms,
   32k_1seq 3.15 -> 3.60, hk4_hv8 32k_8seq 0.90 -> 1.05); finding the cause would win it back.
 - Run in order, the save build's V block for a batch is planned like the dh chain's (unequal chains): hk4_hv8

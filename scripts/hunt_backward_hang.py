@@ -7,7 +7,8 @@ its stream, so when a phase makes no progress for WATCHDOG_S the script prints, 
 event has not completed (the kernel that is stuck, or the one waiting behind it), then exits with status 2.
 usage: python scripts/hunt_backward_hang.py ROW_SUBSTRING [SECONDS_PER_ROW] [WATCHDOG_S]
 (HUNT_SAVE_BESIDE_DH=1: flash_qla.backward.SAVE_CHAIN_BESIDE_DH, the save chain on a side stream beside the dh
-chain, the arrangement that stalled; by default the chains run one after the other)
+chain, the arrangement that stalled; by default the chains run one after the other; HUNT_NO_CARVEOUT=1: no kernel
+asks for a shared-memory carveout)
 """
 import os
 import sys
@@ -114,6 +115,21 @@ def main():
     limit_s = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
     ops._launch = traced_launch
     watch_plan_tables()
+    if os.environ.get("HUNT_NO_CARVEOUT") == "1":  # every kernel loads with the driver's carveout (the manifest's ignored)
+        import flash_qla.loader as loader
+        real_native = loader.native
+
+        class DriverCarveout:
+            def __init__(self, nat):
+                self._nat = nat
+
+            def __getattr__(self, name):
+                return getattr(self._nat, name)
+
+            def get_function(self, module, symbol, smem, carveout=-1):
+                return self._nat.get_function(module, symbol, smem, -1)
+        loader.native = lambda: DriverCarveout(real_native())
+        print("driver's shared-memory carveout for every kernel", flush=True)
     if os.environ.get("HUNT_SAVE_BESIDE_DH") == "1":  # the arrangement that hung: save chain beside the dh chain
         backward.SAVE_CHAIN_BESIDE_DH = True
         print("save chain beside the dh chain", flush=True)
