@@ -99,3 +99,24 @@ def test_two_consumer_fused_beats_split_on_many_waves(tokens, n, hv, split_bv, h
 ])
 def test_prefer_fused_with_l2norm(tokens, n, hv, split_bv, hpc, want):
     assert prefer_fused(tokens, n, hv, 128, 132, split_bv, hpc, l2norm=True) == want
+
+
+@pytest.mark.parametrize("hq,hv,tokens,want", [(4, 8, 8192, 32), (4, 8, 32768, 32), (16, 32, 8192, 64),
+                                                (16, 32, 32768, 64)])
+def test_backward_chains_plan_batches_for_unequal_chains(monkeypatch, hq, hv, tokens, want):
+    """Both backward chains (gdn_fwd's save build, then gdn_bwd_dh) plan a batch's V block for unequal chains: run
+    one after the other, each is alone on the GPU (H200: the save build at 32 on hk4_hv8 8k_8seq 0.345 -> 0.323 ms)."""
+    import torch
+
+    from flash_qla import ops
+    from flash_qla.validation import Problem
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
+    problem = Problem(batch=1, tokens=tokens, num_qk_heads=hq, num_v_heads=hv, head_dim_k=128, head_dim_v=128,
+                      num_seqs=8, scale=128 ** -0.5, varlen=True)
+    cpu = torch.device("cpu")
+    assert ops._block_v(problem, "bf16", cpu, kernel=ops.FWD_KERNEL, mode="save") == want
+    assert ops._block_v(problem, "bf16", cpu, kernel="gdn_bwd_dh", mode="chain") == want
+    single = Problem(batch=1, tokens=tokens, num_qk_heads=hq, num_v_heads=hv, head_dim_k=128, head_dim_v=128,
+                     num_seqs=1, scale=128 ** -0.5, varlen=False)  # one sequence: equal chains, planned by waves
+    assert ops._block_v(single, "bf16", cpu, kernel=ops.FWD_KERNEL, mode="save") == plan_block_v(
+        1, hv, 128, [32, 64], 132, STAGED_CHAIN_COST)
