@@ -27,12 +27,12 @@ from .validation import Problem
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
-# The save chain beside the dh chain (on a side stream, sharing the SMs) was 10-15% faster, but gdn_fwd's save build
-# then hung now and then (never finished; scripts/hunt_backward_hang.py, H200: stalls at sequences 3, 130 and 148
-# of its loop, always in that kernel while gdn_bwd_dh ran beside it; 970 sequences with the chains one after the
-# other never stalled). It needs a save-build CTA and a dh CTA on one SM (their full shared-memory carveout): beside
-# each other without it, 984 sequences never stalled. The cause is not found: the chains run in order until it is.
-# (bench/results/experiments/backward_hang_hunt_h200.md; experiments may set True.)
+# The save chain beside the dh chain (on a side stream, sharing the SMs) was up to 38% faster on some rows, but
+# gdn_fwd's save build then hung now and then: it never finished (H200, scripts/hunt_backward_hang.py: 3 stalls in
+# ~280 sequences, in eager calls). It needs a save-build CTA and a dh CTA on one SM (their full shared-memory
+# carveout): beside each other without it, or one after the other, no stall in ~1,000 sequences each. The cause is
+# not found, so the chains run in order (bench/results/experiments/backward_hang_hunt_h200.md; experiments may set
+# True).
 SAVE_CHAIN_BESIDE_DH = False
 
 
