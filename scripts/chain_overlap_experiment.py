@@ -4,14 +4,16 @@ For each backward row and each launch arrangement: the CUDA-graph median of the 
 (chunk_gated_delta_rule_bwd, as the bench times it) and one eager call's kernel timeline (start offset and
 duration of every kernel, from a torch.profiler trace), so a chain that waits for SMs shows as a late start.
 Arrangements (monkeypatched here, nothing changes in the library):
-  base          as shipped: the save build forks onto a side stream after gdn_prepare, then the dh chain
-  serial        both on the caller's stream (save build first)
+  base          as shipped: both chains on the caller's stream, the save build first
+  beside        the save build on a side stream beside the dh chain (backward.SAVE_CHAIN_BESIDE_DH; it hung now
+                and then: bench/results/experiments/backward_hang_hunt_h200.md)
+  serial        with beside: both chains on the caller's stream all the same (the save build first)
   dh_first      the save build's launch is held back until the dh chain's launch has been issued
   dh_bvN / save_bvN   that chain's V block forced to N (the planner's choice otherwise)
   unordered     both chains dispatched in sequence index order (not gdn_plan's longest first)
   cpL           intra-card CP segments of L chunks (cp0: no CP; the planner's choice otherwise)
 usage: python scripts/chain_overlap_experiment.py ARRANGEMENT[,ARRANGEMENT...] ROW_SUBSTRING [...]
-(an arrangement may combine parts with '+', e.g. dh_first+dh_bv32)
+(an arrangement may combine parts with '+', e.g. beside+dh_first or save_bv32+dh_bv32)
 """
 import json
 import os
@@ -21,7 +23,6 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import flash_qla
 from flash_qla import backward, cp, ops
 from flash_qla.bench import timing
 from flash_qla.bench.inputs import draw_inputs
@@ -104,6 +105,7 @@ def main():
         for arrangement in arrangements:
             STATE["parts"] = set(arrangement.split("+"))
             STATE["chosen"] = {}
+            backward.SAVE_CHAIN_BESIDE_DH = "beside" in STATE["parts"]
             graph_ms, err = timing.graph_median_ms(call, device)
             rec = {"row": row.key, "arrangement": arrangement, "graph_ms": round(graph_ms, 4) if graph_ms else None,
                    "error": err, "blocks": dict(STATE["chosen"]), "timeline": timeline(call)}
