@@ -47,15 +47,22 @@ LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan
 EAGER_HOST_COST = 120.0  # and in an eager call its host work (~0.3 ms more than the plain path's ~0.11 ms), which a
                          # CUDA graph replay does not pay. H200, standard matrix (bench/results/h200.jsonl before this
                          # constant): TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344
-BACKWARD_MIN_GAIN = 0.9  # the backward takes CP only for a predicted 10% gain: its CP runs the pre-pass twice (the
-                         # recompute's and the dh chain's). H200, hk16_hv32 32k_1seq: L = 256 predicted 2% faster,
-                         # measured 0.45 ms slower (graph 5.24 ms with CP vs 4.79 eager without)
+# The backward's segments run two chain kernels, gdn_fwd's save build and gdn_bwd_dh, and two serial combines (the
+# recompute's and the dh chain's reverse one). The save build's CTAs (78 KB) pair up on an SM, the dh chain's do
+# not: its share of the chain time counts waves of two CTAs per SM. Fitted on the H200 (scripts/cp_backward_sweep.py,
+# bench/results/experiments/cp_backward_sweep_h200.jsonl and _heldout_h200.jsonl: 17 shapes, hv 8-64, 8k-128k tokens,
+# one or two sequences): the chosen L is within 2.3% of the best swept one on each, and on 11 shapes it had not seen
+# (_validation_h200.jsonl) within 0.1%. The forward's model (its wave count, one combine, a 10% margin) kept CP off
+# on every hv32 sequence (up to 5.8% slower) and chose too long segments for hv8 / hv16 (up to 5.5%).
+BACKWARD_MIN_GAIN = 1.0
+BACKWARD_COMBINES = 2
+BACKWARD_PAIRED_SHARE = 0.4  # the save build's share of the two chains (hk16_hv32 32k_1seq: 0.75 of 1.80 ms)
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
                         num_sms: int, blocks, capturing: bool = True, chain_costs=None,
-                        min_gain: float = 1.0) -> Optional[int]:
+                        min_gain: float = 1.0, combines: int = 1, paired_share: float = 0.0) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -63,25 +70,33 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
     (capturing False) their host time). chain_costs: the per-chunk cost by V block of the chain kernel that
     runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
-    CP is taken when its predicted time is below min_gain x the plain chain's. Memoised: every forward asks."""
+    CP is taken when its predicted time is below min_gain x the plain chain's. combines: serial combines per segment;
+    paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM; the backward's:
+    BACKWARD_COMBINES, BACKWARD_PAIRED_SHARE). Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
-             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), min_gain)
+             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), min_gain,
+             combines, paired_share)
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
-    segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, min_gain = costs
+    (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, min_gain,
+     combines, paired_share) = costs
     chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
     per_seq = math.ceil(tokens / CHUNK / num_seqs)
 
-    def chains_time(chains: int, length: float) -> float:  # with the best of the built V blocks
-        return length * min(chain_time(chains, head_dim_v, bv, num_sms, chain_costs) for bv in blocks
+    def waves_time(chains: int, length: float, slots: int) -> float:  # with the best of the built V blocks
+        return length * min(chain_time(chains, head_dim_v, bv, num_sms * slots, chain_costs) for bv in blocks
                             if bv <= head_dim_v)
+
+    def chains_time(chains: int, length: float) -> float:
+        return (paired_share * waves_time(chains, length, 2) if paired_share else 0.0) + \
+            (1.0 - paired_share) * waves_time(chains, length, 1)
 
     plain = chains_time(num_seqs * num_v_heads, per_seq)
     best, best_l = plain * min_gain, None
@@ -93,7 +108,7 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
         main = chains_time(segments * num_v_heads, L)
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * fallback_share
         pre = max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
-        t = main + pre + per_seq_segments * combine_cost + launch_cost + host_cost
+        t = main + pre + per_seq_segments * combines * combine_cost + launch_cost + host_cost
         if t < best:
             best, best_l = t, L
     return best_l

@@ -28,6 +28,26 @@ def test_planner(tokens, n, hv, want_cp):
         assert L in cp.SEGMENT_CHUNKS and L < tokens // CHUNK
 
 
+@pytest.mark.parametrize("tokens,n,hv,want", [
+    # (H200 sweep, bench/results/experiments/cp_backward_sweep*_h200.jsonl: the measured-best L of each shape)
+    (32768, 1, 32, 128),      # hk16_hv32 32k_1seq: 3.43 ms at L = 128 vs 3.60 without CP
+    (65536, 1, 32, 256),
+    (8192, 1, 32, None),      # hk16_hv32 8k_1seq: every L slower
+    (32768, 1, 64, None),
+    (65536, 2, 16, 128),      # two sequences: 3.42 ms vs 3.61 without CP
+    (32768, 1, 8, 64),        # hk4_hv8 32k_1seq
+    (131072, 1, 8, 128),      # 3.57 ms; the forward's model took 256 (3.73)
+    (32768, 8, 32, None),     # eight sequences fill the GPU
+])
+def test_backward_planner(tokens, n, hv, want):
+    """The backward's recompute plans its segments with both chains' costs (flash_qla/ops._segment_chunks)."""
+    from flash_qla.planner import STAGED_CHAIN_COST
+    L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, (32, 64), chain_costs=STAGED_CHAIN_COST,
+                               min_gain=cp.BACKWARD_MIN_GAIN, combines=cp.BACKWARD_COMBINES,
+                               paired_share=cp.BACKWARD_PAIRED_SHARE)
+    assert L == want
+
+
 def _tables(lengths, L):
     cu = random_cu_seqlens(lengths)
     chunks = [-(-n // CHUNK) for n in lengths]
