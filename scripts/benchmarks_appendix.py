@@ -67,7 +67,25 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-22, eighth; backward; H200 graph medians; records in `bench/results/experiments/`):
+Latest session (2026-11-22, ninth; backward; H200 graph medians; records in `bench/results/experiments/`):
+geomean x FlashQLA 0.94 -> 0.95 (compare.py against the anchors; 0.94 against this session's FlashQLA re-run, min 0.80),
+x best peer 0.90 -> 0.90. One change shipped, three measured and reverted:
+- The backward's CP planner (`flash_qla/cp.py`) costs a segment's chains as the save build (whose CTAs pair up on an
+  SM) plus the dh chain (one per SM), with two combines per segment and no 10% margin. Fitted on a sweep of 17
+  shapes (`scripts/cp_backward_sweep.py`, `cp_backward_sweep_h200.jsonl`, `_heldout_h200.jsonl`) and checked on 11
+  it had not seen (`_validation_h200.jsonl`): it picks the measured-best segment length within 0.1% there, where
+  the old model was up to 5.5% off and never took CP on hv32 sequences. hk16_hv32 32k_1seq now runs 128-chunk
+  segments: 3.601 -> 3.434 ms (the other rows keep their plan). 290 GPU tests pass; 948 hunt sequences and 2000
+  graph replays on that row without a stall (`hunt_cp_row_h200.log`, `stress_backward_cp_row_h200.log`).
+- Where gdn_bwd_chunk's time goes (`gdn_bwd_chunk_bv16_4stages_h200.md`, timing-only builds): its per-head C x C
+  epilogue is ~40% of the kernel on every row; the V-block loop alone runs at ~3.5 TB/s on the 32k rows. The
+  epilogue's A part (dAgb masks, dbeta / dgamma sums, A^T dA A^T, K K^T) is ~21%. Hiding the epilogue under the next
+  head's V loop would bring hk16_hv32 32k_1seq to about FlashQLA's time; that needs both phases' accumulators live.
+- Reverted, each measured on all 8 rows: 16-wide V blocks in a 4-deep ring in gdn_bwd_chunk (1.7-3.9% slower),
+  A^T dA issued asynchronously under the A part's reductions (-0.5% to +0.8%), gdn_bwd_dh's dS dO product behind
+  Agb^T X (the dh chain 1-2% faster, the backward within noise).
+
+Session of 2026-11-22, eighth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 1.01 -> 0.94 (min 0.87 -> 0.81), x best peer 0.97 -> 0.90. The backward is slower than at the
 last session's end because it no longer hangs:
 - The bench had stalled twice (a row never finished). `scripts/hunt_backward_hang.py` repeats the bench's sequence
