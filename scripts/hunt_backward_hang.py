@@ -113,20 +113,8 @@ def main():
     ops._launch = traced_launch
     watch_plan_tables()
     if os.environ.get("HUNT_NO_CARVEOUT") == "1":  # every kernel loads with the driver's carveout (the manifest's ignored)
-        import flash_qla.loader as loader
-        real_native = loader.native
-
-        class DriverCarveout:
-            def __init__(self, nat):
-                self._nat = nat
-
-            def __getattr__(self, name):
-                return getattr(self._nat, name)
-
-            def get_function(self, module, symbol, smem, carveout=-1):
-                return self._nat.get_function(module, symbol, smem, -1)
-        loader.native = lambda: DriverCarveout(real_native())
-        print("driver's shared-memory carveout for every kernel", flush=True)
+        from driver_carveout import use_driver_carveout
+        use_driver_carveout()
     if os.environ.get("HUNT_SAVE_BESIDE_DH") == "1":  # the arrangement that hung: save chain beside the dh chain
         backward.SAVE_CHAIN_BESIDE_DH = True
         print("save chain beside the dh chain", flush=True)

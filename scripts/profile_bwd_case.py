@@ -1,7 +1,10 @@
 """One forward + backward call (autograd) on a backward row's shape, for ncu / nsys on the GPU machine.
 
-usage: python scripts/profile_bwd_case.py [HQ HV LENGTH]   (default: hk16_hv32 8k_1seq)
+usage: python scripts/profile_bwd_case.py [HQ HV LENGTH [SEQS]]   (default: hk16_hv32 8k_1seq; SEQS sequences of
+LENGTH / SEQS tokens; PROFILE_NO_CARVEOUT=1: every kernel with the driver's shared-memory carveout;
+PROFILE_EXTRA_SMEM=N: the chain kernels (gdn_fwd, gdn_bwd_dh) launched with N more bytes of dynamic shared memory)
 """
+import os
 import sys
 
 import torch
@@ -9,8 +12,21 @@ import torch
 import flash_qla
 from kernel_experiment import inputs
 
+if os.environ.get("PROFILE_NO_CARVEOUT") == "1":
+    from driver_carveout import use_driver_carveout
+    use_driver_carveout()
+if os.environ.get("PROFILE_EXTRA_SMEM"):
+    import flash_qla.loader as loader
+    extra, init = int(os.environ["PROFILE_EXTRA_SMEM"]), loader.Kernel.__init__
+
+    def padded_init(self, library, entry):
+        init(self, library, entry)
+        if self.name in ("gdn_fwd", "gdn_bwd_dh"):
+            self.smem += extra
+    loader.Kernel.__init__ = padded_init
 hq, hv, length = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (16, 32, 8192)
-q, k, v, g, beta, cu, h0 = inputs(hq, hv, [length])
+seqs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+q, k, v, g, beta, cu, h0 = inputs(hq, hv, [length // seqs] * seqs)
 for t in (q, k, v, g, beta, h0):
     t.requires_grad_(True)
 for _ in range(2):
