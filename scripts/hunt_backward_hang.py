@@ -8,7 +8,8 @@ event has not completed (the kernel that is stuck, or the one waiting behind it)
 usage: python scripts/hunt_backward_hang.py ROW_SUBSTRING [SECONDS_PER_ROW] [WATCHDOG_S]
 (HUNT_SAVE_BESIDE_DH=1: flash_qla.backward.SAVE_CHAIN_BESIDE_DH, the save chain on a side stream beside the dh
 chain, the arrangement that stalled; by default the chains run one after the other; HUNT_NO_CARVEOUT=1: no kernel
-asks for a shared-memory carveout)
+asks for a shared-memory carveout; HUNT_HOLD_ON_STALL=1: on a stall keep the process, and its hung kernel, for a
+debugger: cuda-gdb -p PID)
 """
 import os
 import sys
@@ -53,6 +54,10 @@ def report_stall():
         name, variant, handle, _, call, t = launches[i]
         print(f"   {i:3d} call {call} {'done' if done[i] else 'PENDING'} {handle:#x} {name} "
               f"{variant.get('mode', '')} BV={variant.get('BV', '')} {t_end - t:.3f}s", flush=True)
+    if os.environ.get("HUNT_HOLD_ON_STALL") == "1":  # keep the hung kernel for a debugger (cuda-gdb -p PID)
+        print(f"HOLDING pid {os.getpid()}", flush=True)
+        while True:
+            time.sleep(60)
     os._exit(2)
 
 
