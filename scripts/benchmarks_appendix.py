@@ -84,11 +84,15 @@ x best peer 0.90 -> 0.90. One change shipped, three measured and reverted:
 - Reverted, each measured on all 8 rows: 16-wide V blocks in a 4-deep ring in gdn_bwd_chunk (1.7-3.9% slower),
   A^T dA issued asynchronously under the A part's reductions (-0.5% to +0.8%), gdn_bwd_dh's dS dO product behind
   Agb^T X (the dh chain 1-2% faster, the backward within noise).
-- The hang (chains beside each other) now has a deterministic reproducer without a second stream: ncu's
-  MemoryWorkloadAnalysis section never finishes gdn_fwd's save build when two of its CTAs share an SM, and always
-  finishes with one per SM (`backward_hang_hunt_h200.md`). Not the TMA stores, not a shared-memory overflow, and with
-  every mbarrier wait bounded the kernel still never finishes, so the stuck threads are elsewhere. Not yet shown to
-  be the same fault as the eager stalls; the chains keep running in order.
+- The hang (chains beside each other) is found (`backward_hang_hunt_h200.md`, `hang_cuda_gdb_h200.txt`): cuda-gdb
+  attached to a held stall shows only producer warps 1-3 of one save-build CTA alive, in the try-wait loop on an
+  "empty" mbarrier. TileLang's producer warpgroup has all four warps wait on every stage by phase parity while only
+  warp 0 issues the loads; a starved warp two phases behind waits on a parity that has come round again, and once
+  the rest of the CTA has exited it waits forever. A second CTA on the SM makes the starvation likely (the dh chain's,
+  or under ncu's MemoryWorkloadAnalysis a second save-build CTA: a deterministic reproducer). The fix (producer warps
+  1-3 return at once, through a TileLang post-processing hook that checks the branch's shape) is built but not yet
+  run on a GPU (`producer_single_warp_fix.diff`); the chains keep running in order until it is validated, after
+  which running them beside each other is worth up to 38% on some rows.
 
 Session of 2026-11-22, eighth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 1.01 -> 0.94 (min 0.87 -> 0.81), x best peer 0.97 -> 0.90. The backward is slower than at the
