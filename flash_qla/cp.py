@@ -53,16 +53,16 @@ EAGER_HOST_COST = 120.0  # and in an eager call its host work (~0.3 ms more than
 # bench/results/experiments/cp_backward_sweep_h200.jsonl and _heldout_h200.jsonl: 17 shapes, hv 8-64, 8k-128k tokens,
 # one or two sequences): the chosen L is within 2.3% of the best swept one on each, and on 11 shapes it had not seen
 # (_validation_h200.jsonl) within 0.1%. The forward's model (its wave count, one combine, a 10% margin) kept CP off
-# on every hv32 sequence (up to 5.8% slower) and chose too long segments for hv8 / hv16 (up to 5.5%).
-BACKWARD_MIN_GAIN = 1.0
-BACKWARD_COMBINES = 2
-BACKWARD_PAIRED_SHARE = 0.4  # the save build's share of the two chains (hk16_hv32 32k_1seq: 0.75 of 1.80 ms)
+# on every hv32 sequence (up to 5.8% slower) and chose too long segments for hv8 / hv16 (up to 5.5%). CP is taken
+# whenever predicted faster. paired_share: the save build's share of the two chains (hk16_hv32 32k_1seq: 0.75 of
+# 1.80 ms).
+BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4}
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
                         num_sms: int, blocks, capturing: bool = True, chain_costs=None,
-                        min_gain: float = 1.0, combines: int = 1, paired_share: float = 0.0) -> Optional[int]:
+                        combines: int = 1, paired_share: float = 0.0) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -70,21 +70,21 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
     (capturing False) their host time). chain_costs: the per-chunk cost by V block of the chain kernel that
     runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
-    CP is taken when its predicted time is below min_gain x the plain chain's. combines: serial combines per segment;
+    CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
     paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM; the backward's:
-    BACKWARD_COMBINES, BACKWARD_PAIRED_SHARE). Memoised: every forward asks."""
+    BACKWARD_PLAN). Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
-             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), min_gain,
-             combines, paired_share)
+             0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), combines,
+             paired_share)
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
-    (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, min_gain,
-     combines, paired_share) = costs
+    (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, combines,
+     paired_share) = costs
     chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
@@ -95,11 +95,10 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
                             if bv <= head_dim_v)
 
     def chains_time(chains: int, length: float) -> float:
-        return (paired_share * waves_time(chains, length, 2) if paired_share else 0.0) + \
-            (1.0 - paired_share) * waves_time(chains, length, 1)
+        return paired_share * waves_time(chains, length, 2) + (1.0 - paired_share) * waves_time(chains, length, 1)
 
     plain = chains_time(num_seqs * num_v_heads, per_seq)
-    best, best_l = plain * min_gain, None
+    best, best_l = plain, None
     for L in segment_chunks:
         if L >= per_seq:
             break

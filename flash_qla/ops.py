@@ -98,9 +98,7 @@ def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
                                   capturing=torch.cuda.is_current_stream_capturing(), chain_costs=_chain_costs(kernel),
-                                  min_gain=cp.BACKWARD_MIN_GAIN if save else 1.0,
-                                  combines=cp.BACKWARD_COMBINES if save else 1,
-                                  paired_share=cp.BACKWARD_PAIRED_SHARE if save else 0.0)
+                                  **(cp.BACKWARD_PLAN if save else {}))
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,13 @@ import sys
 import torch
 
 import flash_qla
+import flash_qla.loader as loader
 from kernel_experiment import inputs
 
 if os.environ.get("PROFILE_NO_CARVEOUT") == "1":
     from driver_carveout import use_driver_carveout
     use_driver_carveout()
 if os.environ.get("PROFILE_EXTRA_SMEM"):
-    import flash_qla.loader as loader
     extra, init = int(os.environ["PROFILE_EXTRA_SMEM"]), loader.Kernel.__init__
 
     def padded_init(self, library, entry):
@@ -26,7 +26,6 @@ if os.environ.get("PROFILE_EXTRA_SMEM"):
             self.smem += extra
     loader.Kernel.__init__ = padded_init
 if os.environ.get("PROFILE_CUBIN"):
-    import flash_qla.loader as loader
     key, path = os.environ["PROFILE_CUBIN"].split("=", 1)
     image, read = open(path, "rb").read(), loader.Kernel.cubin
     loader.Kernel.cubin = lambda self: image if self.key == key else read(self)

@@ -43,8 +43,7 @@ def test_backward_planner(tokens, n, hv, want):
     """The backward's recompute plans its segments with both chains' costs (flash_qla/ops._segment_chunks)."""
     from flash_qla.planner import STAGED_CHAIN_COST
     L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, (32, 64), chain_costs=STAGED_CHAIN_COST,
-                               min_gain=cp.BACKWARD_MIN_GAIN, combines=cp.BACKWARD_COMBINES,
-                               paired_share=cp.BACKWARD_PAIRED_SHARE)
+                               **cp.BACKWARD_PLAN)
     assert L == want
 
 
