@@ -3,7 +3,7 @@
 1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward (the low-level
    API's caller passes the forward's A and g cumsum, which gdn_prepare then reads as they are). The save
-   build runs before step 2 on the caller's stream (SAVE_CHAIN_BESIDE_DH: beside it, which hung now and then).
+   build runs beside step 2 on a side stream (SAVE_CHAIN_BESIDE_DH; else before it on the caller's stream).
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
    segments, from gradients a reverse warm-up pre-pass and a reverse combine give them; that pre-pass starts on
@@ -27,13 +27,11 @@ from .validation import Problem
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
-# The save chain beside the dh chain (on a side stream, sharing the SMs) was up to 38% faster on some rows, but
-# gdn_fwd's save build then hung now and then: it never finished (H200, scripts/hunt_backward_hang.py: 3 stalls in
-# ~280 sequences, in eager calls). It needs a save-build CTA and a dh CTA on one SM (their full shared-memory
-# carveout): beside each other without it, or one after the other, no stall in ~1,000 sequences each. The cause is
-# not found, so the chains run in order (bench/results/experiments/backward_hang_hunt_h200.md; experiments may set
-# True).
-SAVE_CHAIN_BESIDE_DH = False
+# The save chain runs beside the dh chain (on a side stream, sharing the SMs): up to 38% faster on some rows. It
+# used to hang now and then (H200: 3 stalls in ~280 sequences): a lagging producer warp of gdn_fwd's save build met a
+# reused mbarrier parity and never left (cuda-gdb on a held stall). The producer branches of the warp-specialised
+# kernels now run on one warp (aot/kernels/producer_warp.py); bench/results/experiments/backward_hang_hunt_h200.md.
+SAVE_CHAIN_BESIDE_DH = True
 
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,

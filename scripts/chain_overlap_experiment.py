@@ -1,12 +1,12 @@
 """How the backward's two chains (gdn_bwd_dh, gdn_fwd's save build) share the GPU (GPU machine): JSON lines.
 
-For each backward row and each launch arrangement: the CUDA-graph median of the whole backward
-(chunk_gated_delta_rule_bwd, as the bench times it) and one eager call's kernel timeline (start offset and
-duration of every kernel, from a torch.profiler trace), so a chain that waits for SMs shows as a late start.
+For each backward row and each launch arrangement: the CUDA-graph and eager medians of the whole backward
+(chunk_gated_delta_rule_bwd, as the bench times it), one eager call's and one graph replay's kernel timeline (start
+offset and duration of every kernel, from a torch.profiler trace), so a chain that waits for SMs shows as a late start.
 Arrangements (monkeypatched here, nothing changes in the library):
-  base          as shipped: both chains on the caller's stream, the save build first
-  beside        the save build on a side stream beside the dh chain (backward.SAVE_CHAIN_BESIDE_DH; it hung now
-                and then: bench/results/experiments/backward_hang_hunt_h200.md)
+  base          both chains on the caller's stream, the save build first (in order)
+  beside        as shipped: the save build on a side stream beside the dh chain (backward.SAVE_CHAIN_BESIDE_DH; it
+                hung now and then until producer_warp.py: bench/results/experiments/backward_hang_hunt_h200.md)
   serial        with beside: both chains on the caller's stream all the same (the save build first)
   dh_first      the save build's launch is held back until the dh chain's launch has been issued
   dh_bvN / save_bvN   that chain's V block forced to N (the planner's choice otherwise)
@@ -74,11 +74,21 @@ def _side_stream(device, name="side"):
     return ORIG_SIDE(device, name)
 
 
-def timeline(call):
-    """One eager call's kernels: (name, start offset us, duration us), in start order."""
+def timeline(call, graph=False):
+    """One eager call's kernels (graph: one replay of the call's CUDA graph): (name, start offset us, duration us),
+    in start order."""
     for _ in range(2):
         call()
     torch.cuda.synchronize()
+    if graph:  # captured as the bench captures it; CUPTI reports the kernels of a graph replay as well
+        timing.warm_up_on_side_stream(call, torch.device("cuda"))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        call = g.replay
+        for _ in range(2):
+            call()
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
@@ -107,8 +117,10 @@ def main():
             STATE["chosen"] = {}
             backward.SAVE_CHAIN_BESIDE_DH = "beside" in STATE["parts"]
             graph_ms, err = timing.graph_median_ms(call, device)
+            eager_ms = timing.eager_median_ms(call, device, warmup=5, iters=30)
             rec = {"row": row.key, "arrangement": arrangement, "graph_ms": round(graph_ms, 4) if graph_ms else None,
-                   "error": err, "blocks": dict(STATE["chosen"]), "timeline": timeline(call)}
+                   "eager_ms": round(eager_ms, 4), "error": err, "blocks": dict(STATE["chosen"]),
+                   "timeline": timeline(call), "graph_timeline": timeline(call, graph=True)}
             print(json.dumps(rec), flush=True)
 
 

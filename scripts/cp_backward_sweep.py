@@ -20,7 +20,7 @@ from flash_qla.bench.workloads import backward_call, forward_for_backward
 
 DEFAULT_SHAPES = ["16,32,16384", "16,32,32768", "16,32,65536", "8,16,32768", "4,8,16384", "4,8,32768",
                   "4,8,65536"]
-LENGTHS = [0, 32, 64, 128, 256, None]
+LENGTHS = [0, 16, 32, 64, 128, 256, None]
 
 
 def main(shapes):

@@ -223,3 +223,18 @@ def test_non_contiguous_v_and_h0_match_contiguous(segment_chunks, monkeypatch):
     assert not strided["v"].is_contiguous() and not strided["initial_state"].is_contiguous()
     got = grads(strided, do, dht)
     assert all(torch.equal(got[n], want[n]) for n in want), {n: (got[n] - want[n]).abs().max().item() for n in want}
+
+
+def test_side_streams_differ_from_the_callers_and_each_other():
+    """torch's stream pool wraps after 32: a cached side stream can become a later caller's own stream (a graph's
+    capture stream), which silently ran the backward's parallel chains in order."""
+    dev = torch.device("cuda")
+    names = ("save_chain", "dh_pre_pass", "dh_pre_pass_trans", "side")
+    for _ in range(40):  # every stream of the pool as the caller's, the default stream included
+        caller = torch.cuda.Stream(dev)
+        for current in (caller, torch.cuda.default_stream(dev)):
+            with torch.cuda.stream(current):
+                picked = [ops._side_stream(dev, n) for n in names]
+            handles = {s.cuda_stream for s in picked}
+            assert current.cuda_stream not in handles
+            assert len(handles) == len(names)

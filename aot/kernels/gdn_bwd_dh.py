@@ -21,6 +21,8 @@ the range's transposed transition M^T, the adjoint of the forward's "trans" M.
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
+from .producer_warp import register as single_warp_producer
+
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
             "mode": ["chain", "state", "trans"]}
@@ -34,6 +36,9 @@ STAGES = 2
 # that kernel alone and the other's CTA cannot join it (hk16_hv32 8k_1seq: the chains ran one after the other,
 # 1.07 ms; side by side 0.96). Other kernels keep the driver's split (more L1: TP8 forward rows were 1.5% faster).
 SHARED_CARVEOUT = 100
+
+# producer warps 1-3 leave at once: a lagging parity wait among them hung the backward (producer_warp.py)
+single_warp_producer("gdn_bwd_dh_kernel")
 
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):

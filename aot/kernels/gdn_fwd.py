@@ -19,6 +19,8 @@ pre-pass builds moved to gdn_fwd_st, whose transposed-state chain is faster.)
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
+from .producer_warp import register as single_warp_producer
+
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
             "mode": ["save"]}
@@ -30,6 +32,9 @@ THREADS = 256
 STAGES = 2
 # the whole shared-memory carveout: this save build shares its SMs with gdn_bwd_dh's chain (why: gdn_bwd_dh.py)
 SHARED_CARVEOUT = 100
+
+# producer warps 1-3 leave at once: a lagging parity wait among them hung the backward (producer_warp.py)
+single_warp_producer("gdn_fwd_kernel")
 
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):

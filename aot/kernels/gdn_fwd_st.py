@@ -24,6 +24,8 @@ decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk)
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
+from .producer_warp import register as single_warp_producer
+
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128],
             "mode": ["out", "state", "trans"]}
@@ -36,6 +38,9 @@ PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 OUT_ROWS_PER_PASS = 16   # a warpgroup stores its 64 O columns (128 bytes a row) as 8 threads x 16 bytes per row
 OUT_BARRIER = 8          # named barrier ids 8, 9 (0 is __syncthreads)
 TURN_BARRIER = 10        # 10: warpgroup 0 has issued its product, 11: warpgroup 1 has
+
+# producer warps 1-3 leave at once: a lagging parity wait among them hung the backward (producer_warp.py)
+single_warp_producer("gdn_fwd_st_kernel")
 
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
