@@ -47,22 +47,21 @@ LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan
 EAGER_HOST_COST = 120.0  # and in an eager call its host work (~0.3 ms more than the plain path's ~0.11 ms), which a
                          # CUDA graph replay does not pay. H200, standard matrix (bench/results/h200.jsonl before this
                          # constant): TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344
-# The backward's segments run two chain kernels, gdn_fwd's save build and gdn_bwd_dh, and two serial combines (the
-# recompute's and the dh chain's reverse one). The save build's CTAs (78 KB) pair up on an SM, the dh chain's do
-# not: its share of the chain time counts waves of two CTAs per SM. Fitted on the H200 (scripts/cp_backward_sweep.py,
-# bench/results/experiments/cp_backward_sweep_h200.jsonl and _heldout_h200.jsonl: 17 shapes, hv 8-64, 8k-128k tokens,
-# one or two sequences): the chosen L is within 2.3% of the best swept one on each, and on 11 shapes it had not seen
-# (_validation_h200.jsonl) within 0.1%. The forward's model (its wave count, one combine, a 10% margin) kept CP off
-# on every hv32 sequence (up to 5.8% slower) and chose too long segments for hv8 / hv16 (up to 5.5%). CP is taken
-# whenever predicted faster. paired_share: the save build's share of the two chains (hk16_hv32 32k_1seq: 0.75 of
-# 1.80 ms).
-BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4}
+# The backward's segments run two chain kernels, gdn_fwd's save build and gdn_bwd_dh, two pre-passes (the recompute's
+# warm-ups / transitions and the dh chain's reverse ones) and two serial combines. The save build's CTAs (78 KB)
+# pair up on an SM, the dh chain's do not: paired_share of the chain time counts waves of two CTAs per SM. Fitted on
+# the H200 with the save chain beside the dh chain (scripts/cp_backward_sweep.py,
+# bench/results/experiments/cp_backward_sweep_beside_h200.jsonl: 21 shapes, hv 8-64, 8k-128k tokens, one to eight
+# sequences): the chosen L is within 0.7% of the best swept one on each (cp_backward_planner_beside_h200.md). With the
+# chains in order (the ninth session's fit) one pre-pass was counted; beside each other, that kept CP on hv32 single
+# sequences, 7-13% slower than without. CP is taken whenever predicted faster.
+BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4, "pre_passes": 2}
 FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
                         num_sms: int, blocks, capturing: bool = True, chain_costs=None,
-                        combines: int = 1, paired_share: float = 0.0) -> Optional[int]:
+                        combines: int = 1, paired_share: float = 0.0, pre_passes: int = 1) -> Optional[int]:
     """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
@@ -71,20 +70,20 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     (capturing False) their host time). chain_costs: the per-chunk cost by V block of the chain kernel that
     runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
     CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
-    paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM; the backward's:
-    BACKWARD_PLAN). Memoised: every forward asks."""
+    paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM); pre_passes: pre-pass
+    builds per segment (the backward's: BACKWARD_PLAN). Memoised: every forward asks."""
     if FORCE_SEGMENT_CHUNKS is not None:
         return FORCE_SEGMENT_CHUNKS or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
              0.0 if capturing else EAGER_HOST_COST, tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), combines,
-             paired_share)
+             paired_share, pre_passes)
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
     (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host_cost, chain_costs, combines,
-     paired_share) = costs
+     paired_share, pre_passes) = costs
     chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
@@ -106,7 +105,7 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
         segments = num_seqs * per_seq_segments
         main = chains_time(segments * num_v_heads, L)
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * fallback_share
-        pre = max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
+        pre = pre_passes * max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
         t = main + pre + per_seq_segments * combines * combine_cost + launch_cost + host_cost
         if t < best:
             best, best_l = t, L

@@ -29,14 +29,19 @@ def test_planner(tokens, n, hv, want_cp):
 
 
 @pytest.mark.parametrize("tokens,n,hv,want", [
-    # (H200 sweep, bench/results/experiments/cp_backward_sweep*_h200.jsonl: the measured-best L of each shape)
-    (32768, 1, 32, 128),      # hk16_hv32 32k_1seq: 3.43 ms at L = 128 vs 3.60 without CP
-    (65536, 1, 32, 256),
+    # H200, the save chain beside the dh chain (bench/results/experiments/cp_backward_sweep_beside_h200.jsonl): the
+    # measured-best L of each shape
+    (32768, 1, 32, None),     # hk16_hv32 32k_1seq: 3.14 ms without CP, 3.43 at L = 128 (the in-order fit's pick)
+    (65536, 1, 32, None),     # 6.29 ms without CP, 6.73 at L = 256
     (8192, 1, 32, None),      # hk16_hv32 8k_1seq: every L slower
     (32768, 1, 64, None),
-    (65536, 2, 16, 128),      # two sequences: 3.42 ms vs 3.61 without CP
-    (32768, 1, 8, 64),        # hk4_hv8 32k_1seq
-    (131072, 1, 8, 128),      # 3.57 ms; the forward's model took 256 (3.73)
+    (32768, 1, 16, 64),       # 1.83 ms vs 2.25 without CP
+    (65536, 1, 16, 128),
+    (16384, 1, 8, 32),
+    (32768, 1, 8, 64),        # hk4_hv8 32k_1seq: 0.97 ms vs 1.80 without CP
+    (131072, 1, 8, 128),      # 3.57 ms vs 7.04
+    (8192, 1, 8, 16),         # hk4_hv8 8k_1seq: 0.32 ms vs 0.47
+    (65536, 2, 8, 64),        # two sequences
     (32768, 8, 32, None),     # eight sequences fill the GPU
 ])
 def test_backward_planner(tokens, n, hv, want):
