@@ -37,7 +37,8 @@ cp -r "$project/tests" suite/tests
 find suite -name __pycache__ -prune -exec rm -rf {} +
 # Tests of the repository rather than of the package: they need files the wheel does not carry.
 ignore=(--ignore=tests/test_packaging.py        # Dockerfile, ci/ files
-        --ignore=tests/test_build_matrix.py)    # build_matrix/ and aot/ (build-time only, never in the wheel)
+        --ignore=tests/test_build_matrix.py     # build_matrix/ and aot/ (build-time only, never in the wheel)
+        --ignore=tests/test_producer_warp.py)   # aot/kernels/producer_warp.py, likewise
 if ! python -c "import server" >/dev/null 2>&1; then
   ignore+=(--ignore=tests/test_server.py)         # the service package is not installed with this wheel
   echo "(server package not installed: skipping tests/test_server.py)"
