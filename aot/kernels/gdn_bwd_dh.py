@@ -31,6 +31,11 @@ VARIANT_RULE = "BV <= V and (mode == 'chain' or BV == 64) and (mode != 'trans' o
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 STAGES = 2
+# Every barrier of the chain is written out below: three per chunk (the tiles each one publishes are named there).
+# TileLang's own pass put nine in each chunk (two back to back, and one before every rewrite of a tile whose last
+# reader had already passed a barrier), all on the chain's critical path.
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+CHAIN_BARRIER = 1  # a named barrier of the consumer threads only (0 is __syncthreads: the producer warp is not there)
 # The backward runs gdn_fwd's save build and gdn_bwd_dh's chain side by side (their CTAs fit one SM together):
 # both ask for the SM's whole shared-memory carveout. Left to the driver, an SM running one of them is split for
 # that kernel alone and the other's CTA cannot join it (hk16_hv32 8k_1seq: the chains ran one after the other,
@@ -151,23 +156,21 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
                         dos_s[i, d] = T.if_then_else(
                             i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
-                # the previous chunk's TMA stores (dS', X, dV) read their tiles asynchronously: the thread that
-                # issued them waits here, before anyone rewrites a tile (not right after the issue, which held
-                # the whole chain on the store's read of the tile)
-                if chain:
-                    T.tma_store_wait()
-                    T.sync_threads()
+                # ds_s is free: the previous chunk's dS' store finished reading it before that chunk's X barrier
                 T.copy(dS, ds_s)
+                T.fence_proxy_async()
                 if chain:
-                    T.fence_proxy_async()
-                    T.sync_threads()
+                    # the previous chunk's X and dV stores (issued by this thread) have read x_s / dv_s, which are
+                    # rewritten after the barrier below
+                    T.tma_store_wait()
+                # dom_s, dos_s, ds_s published (the stage's tiles came by mbarrier)
+                T.sync_threads(CHAIN_BARRIER, THREADS)
+                if chain:
                     T.tma_copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
                 # one batch of products: dS's dO term, P^T dO and K dS' (the et factor goes on in the X pass,
                 # so the dO terms need no pass of their own between products)
-                T.fence_proxy_async()
-                T.sync_threads()
                 if not trans:
                     T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True)
                     T.wgmma_gemm(p_s, dom_s, xp, transpose_A=True, clear_accum=True)
@@ -182,13 +185,19 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     T.warpgroup_fence_operand(xp, num_regs=C * BV // THREADS)
                     for i, d in T.Parallel(C, BV):
                         x_s[i, d] = T.cast(xf[i, d] * et_s[i] + xp[i, d], dt)
+                T.fence_proxy_async()
+                if chain:
+                    T.tma_store_wait()  # this chunk's dS' store has read ds_s, which the next chunk rewrites
+                T.sync_threads(CHAIN_BARRIER, THREADS)  # x_s published (its last reader, the previous chunk's X store, was waited for)
                 T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
+                # dwe_s's last reader is the previous chunk's K^T dW product, waited for by both warpgroups before
+                # the barrier above; dv_s's is the previous chunk's dV store, waited for before the first barrier
                 for i, d in T.Parallel(C, BV):
                     dwe_s[i, d] = T.cast(-dw[i, d] * eg_s[i], dt)
                     if chain:
                         dv_s[i, d] = T.cast(dw[i, d], dt)
                 T.fence_proxy_async()
-                T.sync_threads()
+                T.sync_threads(CHAIN_BARRIER, THREADS)  # dwe_s, dv_s published
                 T.wgmma_gemm(k_s, dwe_s, dS, transpose_A=True)
                 # X and dV go out while that product runs: stored before the fence above, they held it (the
                 # fence waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu). A whole chunk by TMA
