@@ -27,6 +27,9 @@ VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
 WARPS = THREADS // 32
+# Every CTA barrier is written out below, each naming what it orders. TileLang's own pass put ~30 in each head's
+# epilogue (one before and one after every cross-warp reduction, whose own barriers already order its workspace).
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 LOG2E = 1.4426950408889634
 
 
@@ -247,6 +250,7 @@ def build(dtype: str, K: int, V: int):
                     T.reduce_sum(hf, rp, dim=1)
                     for i in T.Parallel(C):
                         hd_s[i] = rp[i]
+                    T.sync_threads()  # hd_s for warp 0 (its last reader, the previous head's warp 0: the head barrier)
                     if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
                         hh = T.warp_reduce_sum(hd_s[T.get_thread_binding()] + hd_s[T.get_thread_binding() + 32])
 
@@ -265,6 +269,7 @@ def build(dtype: str, K: int, V: int):
                     for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
                         dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
                     T.reduce_sum(dks, r23, dim=1, batch=2)
+                    T.sync_threads()  # r3_s; dg_s's zeroing (also published by the A tile's mbarrier)
                     for i in T.Parallel(C):
                         dg_s[i] += r23[i] - 2.0 * r3_s[i]
 
@@ -276,8 +281,10 @@ def build(dtype: str, K: int, V: int):
                             i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
                         m_s[i, j] = T.cast(dP[i, j], dt)
                         cc[i, j] = dP[i, j] * cc[i, j]
+                    T.fence_proxy_async()  # m_s is read by the tensor cores next
                     # (cc keeps this product: its row sums join the A part's in one reduction)
                     T.reduce_sum(cc, cp, dim=0, batch=8)
+                    T.sync_threads()  # m_s; dg_s's row-sum update (another thread may own row i there)
                     for i in T.Parallel(C):
                         dg_s[i] -= cp[i]
                     T.wgmma_gemm(m_s, k_s, dqf)
@@ -292,18 +299,25 @@ def build(dtype: str, K: int, V: int):
                         dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
                         cc[i, j] += dP[i, j] * b_s[j]
                         t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
+                    T.fence_proxy_async()  # t_s is read by the tensor cores below
                     T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
+                    T.sync_threads()  # t_s; dg_s's column-sum update
                     for i in T.Parallel(C):
                         dg_s[i] += ra[i]
                     # the A part's column sums are beta_j times dP's, which dbeta takes as they are
                     T.reduce_sum(dP, dbc, dim=0, batch=8)
+                    T.sync_threads()  # dg_s's row-sum update
                     for i in T.Parallel(C):
                         db_s[i] += dbc[i]
                         dg_s[i] -= dbc[i] * b_s[i]
                     # dL = -strictLower(A^T dA A^T)
                     T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
+                    # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
+                    T.sync_threads()
                     for i, j in T.Parallel(C, C):
                         m_s[i, j] = T.cast(dAgb[i, j], dt)
+                    T.fence_proxy_async()
+                    T.sync_threads()  # m_s
                     T.wgmma_gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -313,7 +327,9 @@ def build(dtype: str, K: int, V: int):
                         dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
                         cc[i, j] = dP[i, j] * cc[i, j]
                         t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
+                    T.fence_proxy_async()  # t_s is read by the tensor cores below
                     T.reduce_sum(cc, dbr, dim=1, batch=2)
+                    T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); db_s's update
                     for i in T.Parallel(C):
                         db_s[i] += dbr[i]
                     T.wgmma_gemm(t_s, k_s, dkf)
@@ -330,9 +346,12 @@ def build(dtype: str, K: int, V: int):
                                                 + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
                     # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
                     # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
+                    T.sync_threads()  # dg_s's masking (row valid - 1 may be another thread's)
                     if T.get_thread_binding() == 0:
                         dg_s[valid - 1] += acc + eg_s[valid - 1] * hh
+                    T.sync_threads()  # dg_s
                     T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
+                    T.sync_threads()  # dgc_s; db_s's last update
                     for i in T.Parallel(C):
                         if i < valid:
                             dg[t0 + i, h] = dgc_s[i]
