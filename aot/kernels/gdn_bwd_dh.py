@@ -169,14 +169,17 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     T.tma_copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
-                # one batch of products: dS's dO term, P^T dO and K dS' (the et factor goes on in the X pass,
-                # so the dO terms need no pass of their own between products)
+                # one batch of products: P^T dO and K dS' for X (the et factor goes on in the X pass, so the dO
+                # terms need no pass of their own between products), then dS's dO term, which X does not need:
+                # it runs under X's pass (the Agb^T X product's wait covers it)
                 if not trans:
-                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True)
                     T.wgmma_gemm(p_s, dom_s, xp, transpose_A=True, clear_accum=True)
                 T.wgmma_gemm(k_s, ds_s, xf, clear_accum=True)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(dS, num_regs=K * BV // THREADS)
+                if not trans:
+                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True)
+                    T.wait_wgmma(1)
+                else:
+                    T.wait_wgmma(0)
                 T.warpgroup_fence_operand(xf, num_regs=C * BV // THREADS)
                 if trans:
                     for i, d in T.Parallel(C, BV):
