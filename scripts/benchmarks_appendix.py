@@ -48,8 +48,8 @@ Distance to the goals: forward geomean {sf['qla']:.2f}x FlashQLA (min {sf['qla_m
 | fwd 2B-TP1 4096x8 | gdn_fwd_fused 0.31 (the split path: gdn_prepare 0.18 + gdn_fwd_st 0.17 = 0.35) | kkt_solve 0.115 + fused forward 0.207 = 0.33 |
 | fwd TP2 1x8192 (plain path, eager) | gdn_prepare 0.06 + gdn_fwd_st 0.21 = 0.28 | kkt_solve 0.06 + fused forward 0.24 = 0.30 |
 | fwd TP8 1x32768, CP at 32-chunk segments | gdn_fwd_st (pre-pass and segments) 0.173, prepare 0.067, combine 0.060, gdn_cp_plan 0.028 = 0.34 | CP forward 0.39 |
-| bwd hk16_hv32 8k_1seq (graph replay timeline, `experiments/chain_overlap_beside_fixed_h200.jsonl`) | gdn_prepare 0.07, then the gdn_fwd save build 0.28 beside gdn_bwd_dh 0.35, then gdn_bwd_chunk 0.40: 0.82 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
-| bwd hk4_hv8 32k_1seq (graph replay timeline, same record) | gdn_prepare 0.07, gdn_cp_plan 0.02, then the dh chain's pre-pass (warm-ups 0.16 beside transitions 0.11, combine 0.07) beside the recompute's (0.07 / 0.06, combine 0.03) and save build 0.20, then the dh chain 0.21 and gdn_bwd_chunk 0.40: 0.97 | whole backward 0.90 (CP in both directions) |
+| bwd hk16_hv32 8k_1seq (graph replay timeline, `experiments/chain_overlap_beside_fixed_h200.jsonl`, before the chains' barrier changes) | gdn_prepare 0.07, then the gdn_fwd save build 0.28 beside gdn_bwd_dh 0.35, then gdn_bwd_chunk 0.40: 0.82 | whole backward 0.82 (fused_bwd 0.36, prepare_h 0.26, prepare_dh 0.10) |
+| bwd hk4_hv8 32k_1seq (graph replay timeline, same record; now 0.94) | gdn_prepare 0.07, gdn_cp_plan 0.02, then the dh chain's pre-pass (warm-ups 0.16 beside transitions 0.11, combine 0.07) beside the recompute's (0.07 / 0.06, combine 0.03) and save build 0.20, then the dh chain 0.21 and gdn_bwd_chunk 0.40: 0.97 | whole backward 0.90 (CP in both directions) |
 
 Earlier sessions' kernel changes, each measured on the H200 (forward-kernel time of TP1 4096x8 unless named; the
 experiment records are in `bench/results/experiments/`):
@@ -68,14 +68,15 @@ experiment records are in `bench/results/experiments/`):
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
 Latest session (2026-11-22, tenth; backward; H200 graph medians; records in `bench/results/experiments/`):
-geomean x FlashQLA 0.95 -> 1.02 (compare.py against the anchors; min 0.81 -> 0.89; 3/8 rows at or above it),
-x best peer 0.90 -> 0.97 (min 0.80). The forward is unchanged (its kernels rebuilt with the fix below, within 1%).
+geomean x FlashQLA 0.95 -> 1.06 (compare.py against the anchors; min 0.81 -> 0.92; 3/8 rows above it, hk4_hv8
+32k_8seq at 0.995), x best peer 0.90 -> 1.01 (min 0.83). The forward is unchanged (its kernels rebuilt with the fix
+below, within 1%).
 - The hang is fixed (`backward_hang_hunt_h200.md`, tenth-session section): in every warp-specialised kernel
   (gdn_fwd, gdn_bwd_dh, gdn_fwd_st) producer warps 1-3 now return at once (`aot/kernels/producer_warp.py`, a
   TileLang CUDA post-processing hook that fails the build unless the producer branch is the elected lane's TMA loads
-  and waits). The deterministic ncu reproducer finishes; with the chains beside each other again, 7,813 hunt
-  sequences on five rows and 3 x 2,000 graph replays ran without a stall or a gradient mismatch (before: a stall per
-  95-300 sequences); gpu_validate: 291 GPU tests, memcheck 0 errors, racecheck 0 hazards.
+  and waits). The deterministic ncu reproducer finishes; with the chains beside each other again, 10,099 hunt
+  sequences on five rows and 4 x 2,000 graph replays ran without a stall or a gradient mismatch (before: a stall per
+  95-300 sequences).
 - The save chain runs beside the dh chain again (`backward.SAVE_CHAIN_BESIDE_DH = True`), and the side streams are
   now distinct from the caller's: torch's 32-stream pool had handed the cached side stream back as the bench's
   graph capture stream once the forward rows had run, so the graphs ran the two branches on one stream (hk4_hv8
@@ -83,11 +84,20 @@ x best peer 0.90 -> 0.97 (min 0.80). The forward is unchanged (its kernels rebui
 - The backward's CP planner refitted for the chains beside each other (`cp_backward_planner_beside_h200.md`): two
   pre-passes counted per segment. 21 fitted shapes within 0.7% of the best segment length, 18 unseen ones within
   0.8% but two (4.7-4.8%). hk16_hv32 32k_1seq back to no CP: 3.434 -> 3.144 ms.
-- Row by row against the ninth session: hk16_hv32 8k_1seq 0.930 -> 0.822, 8k_8seq 0.825 -> 0.823, 32k_1seq 3.434 ->
-  3.144, 32k_8seq 3.054 -> 3.040; hk4_hv8 8k_1seq 0.314 -> 0.316, 8k_8seq 0.319 -> 0.271, 32k_1seq 1.003 -> 0.973,
-  32k_8seq 1.048 -> 0.875.
-- Measured, not taken: save-build V block 32 on the multi-sequence hv32 rows (0.5-0.8% faster, within the
-  run-to-run spread; `chain_overlap_beside_bv_h200.jsonl`); the dh chain's V block 32 there (10% slower).
+- The chain kernels' barriers written out (TileLang's storage-sync pass off for them): gdn_bwd_dh three per chunk
+  instead of nine, its chain 1.344 -> 1.281 ms on hk16_hv32 32k_1seq (every bwd row 0.9-3.1% faster); gdn_fwd's
+  save build three instead of eight, its chain 1.160 -> 1.020 ms (rows up to 1.3%); gdn_bwd_chunk 12 a head instead
+  of ~30 (within 0-1.1%: its threads reach the barriers together, so they cost little; kept, each barrier
+  documented). Then gdn_bwd_dh issues dS's dO product after the two products X needs (rows 0.7-1.6%). Every step:
+  107 backward / CP GPU tests and racecheck (synccheck for gdn_bwd_chunk) clean (`bwd_bench_*_barriers_h200.jsonl`,
+  `bwd_bench_dh_qdo_last_h200.jsonl`).
+- Row by row against the ninth session: hk16_hv32 8k_1seq 0.930 -> 0.803, 8k_8seq 0.825 -> 0.794, 32k_1seq 3.434 ->
+  3.040, 32k_8seq 3.054 -> 2.925; hk4_hv8 8k_1seq 0.314 -> 0.309, 8k_8seq 0.319 -> 0.258, 32k_1seq 1.003 -> 0.935,
+  32k_8seq 1.048 -> 0.852.
+- Measured, not taken: save-build V block 32 on the multi-sequence hv32 rows (0.5-0.8%, within the spread;
+  `chain_overlap_beside_bv_h200.jsonl`), V block 64 or the dh chain launched first with the chains beside each other
+  (`chain_overlap_beside_bv64_h200.jsonl`), the chains' TMA-store waits one barrier later
+  (`store_wait_later_attempt.diff`: within the spread).
 
 Session of 2026-11-22, ninth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 0.94 -> 0.95 (compare.py against the anchors; 0.94 against this session's FlashQLA re-run, min 0.80),
@@ -268,8 +278,8 @@ Backward ({sb['qla']:.2f}x FlashQLA geomean): still three passes over memory whe
 its chunk kernel. gdn_bwd_chunk (one CTA per SM: 244 registers at 256 threads, 222 KB smem) is about half of a
 row's time (0.40 of 0.82 ms on hk16_hv32 8k_1seq, 1.53 of 3.14 on 32k_1seq) and is latency-bound in its per-head epilogue (a chain of small products, row / column reductions and elementwise
 passes with 8 warps; ~40% of the kernel). Of the two chains, now beside each other, the dh chain is the longer
-(hk16_hv32 32k_1seq: 1.34 ms over 512 chunks, 2.6 us a chunk with a save-build CTA on its SM, which itself takes 1.10
-ms). Closing the gap needs the fused design (dS carried in registers across a segment's chunks, no dhs / X / dV round
+(hk16_hv32 32k_1seq: 1.27 ms over 512 chunks, 2.5 us a chunk with a save-build CTA on its SM, which itself takes 1.02
+ms; `chain_timeline_dh_qdo_last_h200.jsonl`). Closing the gap needs the fused design (dS carried in registers across a segment's chunks, no dhs / X / dV round
 trip, the chunk gradients split across warpgroups so their latency chains overlap). CP does not help the 32k 8-sequence
 rows (forced 16- / 32-chunk segments 7-27% slower, `cp_backward_sweep_beside_h200.jsonl`).
 """
