@@ -97,7 +97,12 @@ below, within 1%).
 - Measured, not taken: save-build V block 32 on the multi-sequence hv32 rows (0.5-0.8%, within the spread;
   `chain_overlap_beside_bv_h200.jsonl`), V block 64 or the dh chain launched first with the chains beside each other
   (`chain_overlap_beside_bv64_h200.jsonl`), the chains' TMA-store waits one barrier later
-  (`store_wait_later_attempt.diff`: within the spread).
+  (`store_wait_later_attempt.diff`: within the spread), gdn_bwd_chunk loading the next head's second V block under
+  the current head's epilogue (`gdn_bwd_chunk_prefetch_under_epilogue_attempt.diff`: no gain), the save build at
+  two CTAs per SM (`save_build_two_ctas_per_sm_attempt.diff`: its chain slower, 12 bytes spilled).
+- ncu of gdn_bwd_chunk at the final kernels (`ncu_gdn_bwd_chunk_hk16_32k_h200.txt`): one CTA (8 warps) per SM,
+  0.33 instructions issued per scheduler cycle, 0.44 eligible warps, DRAM at 34%: issue- and latency-bound, which is
+  why neither fewer barriers nor earlier loads moved it.
 
 Session of 2026-11-22, ninth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 0.94 -> 0.95 (compare.py against the anchors; 0.94 against this session's FlashQLA re-run, min 0.80),
