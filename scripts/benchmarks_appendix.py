@@ -103,7 +103,7 @@ below, within 1%).
 - The 8-sequence rows' lengths are unequal (32k_8seq: 1,029-9,932 tokens), so their chains are as long as the longest
   sequence (156 chunks). Neither the chains in order with other V blocks (`chain_overlap_in_order_vs_beside_multiseq_h200.jsonl`)
   nor forced CP segments of 16-128 chunks, which split only the long sequences (`chain_overlap_cp_multiseq_h200.jsonl`:
-  7-36% slower), beat the shipped plan.
+  10-34% slower), beat the shipped plan.
 - ncu of gdn_bwd_chunk at the final kernels (`ncu_gdn_bwd_chunk_hk16_32k_h200.txt`): one CTA (8 warps) per SM,
   0.33 instructions issued per scheduler cycle, 0.44 eligible warps, DRAM at 34%: issue- and latency-bound, which is
   why neither fewer barriers nor earlier loads moved it.
