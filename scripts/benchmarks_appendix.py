@@ -99,7 +99,9 @@ below, within 1%).
   (`chain_overlap_beside_bv64_h200.jsonl`), the chains' TMA-store waits one barrier later
   (`store_wait_later_attempt.diff`: within the spread), gdn_bwd_chunk loading the next head's second V block under
   the current head's epilogue (`gdn_bwd_chunk_prefetch_under_epilogue_attempt.diff`: no gain), the save build at
-  two CTAs per SM (`save_build_two_ctas_per_sm_attempt.diff`: its chain slower, 12 bytes spilled).
+  two CTAs per SM (`save_build_two_ctas_per_sm_attempt.diff`: its chain slower, 12 bytes spilled), gdn_bwd_chunk
+  with 16 warps (512 threads, 128 registers; the reductions unbatched to fit shared memory): 19% slower
+  (`gdn_bwd_chunk_512_threads_attempt.diff`).
 - The 8-sequence rows' lengths are unequal (32k_8seq: 1,029-9,932 tokens), so their chains are as long as the longest
   sequence (156 chunks). Neither the chains in order with other V blocks (`chain_overlap_in_order_vs_beside_multiseq_h200.jsonl`)
   nor forced CP segments of 16-128 chunks, which split only the long sequences (`chain_overlap_cp_multiseq_h200.jsonl`:
