@@ -108,7 +108,9 @@ below, within 1%).
   10-34% slower), beat the shipped plan.
 - ncu of gdn_bwd_chunk at the final kernels (`ncu_gdn_bwd_chunk_hk16_32k_h200.txt`): one CTA (8 warps) per SM,
   0.33 instructions issued per scheduler cycle, 0.44 eligible warps, DRAM at 34%: issue- and latency-bound, which is
-  why neither fewer barriers nor earlier loads moved it.
+  why neither fewer barriers nor earlier loads moved it. Its stall reasons per issued instruction
+  (`ncu_stalls_gdn_bwd_chunk_h200.txt`): wait 1.21, short scoreboard (shared-memory loads) 1.20, long scoreboard
+  0.76, barrier 0.70; gdn_bwd_dh's chain (`ncu_stalls_gdn_bwd_dh_h200.txt`): wait 1.22, long scoreboard 1.05.
 
 Session of 2026-11-22, ninth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 0.94 -> 0.95 (compare.py against the anchors; 0.94 against this session's FlashQLA re-run, min 0.80),
