@@ -31,9 +31,10 @@ FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no sav
 # experiments pin True / False. FLASH_QLA_FUSED=0 / 1 pins it from the environment.
 USE_FUSED: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("FLASH_QLA_FUSED", ""))
 # the chain kernels whose V block a batch of several sequences plans by unequal chains (planner.py
-# plan_irregular_block_v), the others by equal waves. gdn_fwd's save build joined once the backward ran it before
-# the dh chain instead of beside it: H200 hk4_hv8 8k_8seq 0.345 -> 0.323 ms, 32k_8seq 1.123 -> 1.049 (its BV 64 -> 32;
-# the hk16_hv32 rows plan 64 either way; bench/results/experiments/chain_plans_in_order_h200.txt)
+# plan_irregular_block_v), the others by equal waves. gdn_fwd's save build joined with the chains run in order (H200
+# hk4_hv8 8k_8seq 0.345 -> 0.323 ms, 32k_8seq 1.123 -> 1.049: its BV 64 -> 32; chain_plans_in_order_h200.txt) and
+# stays with them beside each other (hk4_hv8 32k_8seq at BV 32 0.878 ms, forced 64 0.899;
+# chain_overlap_beside_bv64_h200.jsonl). The hk16_hv32 rows plan 64 either way (bench/results/experiments/).
 IRREGULAR_CHAIN_KERNELS = {"gdn_bwd_dh", "gdn_fwd"}
 FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
 FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
