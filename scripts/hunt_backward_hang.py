@@ -6,8 +6,9 @@ rows (bwd_bench_stalled_run_h200.log and a 2026-11-22 eighth-session run). Here 
 its stream, so when a phase makes no progress for WATCHDOG_S the script prints, per stream, the first launch whose
 event has not completed (the kernel that is stuck, or the one waiting behind it), then exits with status 2.
 usage: python scripts/hunt_backward_hang.py ROW_SUBSTRING [SECONDS_PER_ROW] [WATCHDOG_S]
-(HUNT_SAVE_BESIDE_DH=1: flash_qla.backward.SAVE_CHAIN_BESIDE_DH, the save chain on a side stream beside the dh
-chain, the arrangement that stalled; by default the chains run one after the other; HUNT_NO_CARVEOUT=1: no kernel
+(HUNT_SAVE_BESIDE_DH=1: sets flash_qla.backward.SAVE_CHAIN_BESIDE_DH, the save chain on a side stream beside the dh
+chain, the arrangement that stalled before aot/kernels/producer_warp.py; the library's default since the tenth
+session, so the flag now only records the intent in a log; HUNT_NO_CARVEOUT=1: no kernel
 asks for a shared-memory carveout; HUNT_HOLD_ON_STALL=1: on a stall keep the process, and its hung kernel, for a
 debugger: cuda-gdb -p PID)
 """
