@@ -141,7 +141,7 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
 
 
 def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
-    """gdn_bwd_chunk: one CTA per (chunk slot, q/k head); dq / dk come out summed over the GVA group. raw: the
+    """gdn_bwd_chunk: one item per (chunk slot, q/k head); dq / dk come out summed over the GVA group. raw: the
     un-normalised (q, k) under use_qk_l2norm_in_kernel (saved q / k are then the normalised rows), and dq / dk
     come out with respect to them."""
     dev = do_p.device
@@ -151,8 +151,10 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     dq, dk = (ops._empty(T, Hq, K, device=dev, dtype=dt) for _ in range(2))
     dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
+    # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
+    ctas = min(ops._num_sms(dev), saved["TC"] // ops.CHUNK * Hq)
     ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
-                dict(saved["sizes"], l2norm=int(raw is not None)),
+                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),

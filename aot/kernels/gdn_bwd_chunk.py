@@ -10,9 +10,13 @@ flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in b
     dbeta_j = sum_i dAgb Gamma A (col) + sum_j dL K K^T (row)
     dgamma  = the exp factors' row / column sums; gamma_last takes et's and eg_last's; dg = reverse cumsum.
 Rows past the sequence end hold the next sequence's (finite) rows: every C x C term is masked to the
-valid causal pairs and row outputs are stored for valid rows only. One CTA per (chunk, q/k head) walks the
+valid causal pairs and row outputs are stored for valid rows only. Each (chunk, q/k head) item walks the
 GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
 extra pass over memory and is deterministic.
+The kernel is persistent: `ctas` CTAs (one per SM; the host passes min(SMs, items)) walk the (chunk slot, q/k head)
+items round-robin. Each item's q / k tiles and first V block are loaded under the previous item's epilogue and row
+stores, and the next item's chunk lookup under its work: as one CTA per item, an SM spent ~2 us between CTAs and
+~1.5 us waiting for each CTA's first tiles (clock stamps, hk16_hv32 32k_1seq: 26 us an item).
 use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2 (what
 gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy - r^3 x (x . dy) from the raw rows
 (one warp per row, fp32, before the single rounding to the input dtype): no separate pass, no autograd.
@@ -113,8 +117,10 @@ def build(dtype: str, K: int, V: int):
         k_raw: T.Tensor((NT, Hq, K), dt),
         scale: T.float32,
         l2norm: T.int32,
+        ctas: T.int32,
     ):
-        with T.Kernel(TC // C, Hq, threads=THREADS) as (bc, hk):  # every chunk slot (TC / 64 = ceil(T / 64) + N)
+        # items: every (chunk slot, q/k head), slot-major (TC / 64 = ceil(T / 64) + N slots)
+        with T.Kernel(ctas, threads=THREADS) as pid:
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
             a_s = T.alloc_shared((C, C), dt)
@@ -160,6 +166,16 @@ def build(dtype: str, K: int, V: int):
             hh = T.alloc_var("float32")
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
+            bc = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            nt0 = T.alloc_var("int32")     # the next item's chunk lookup, read under this item's work
+            nvalid = T.alloc_var("int32")
+            nbc = T.alloc_var("int32")
+            nhk = T.alloc_var("int32")
+            blocks = T.alloc_var("int32")  # V blocks this CTA has loaded before this item: buffer parities
+            heads = T.alloc_var("int32")   # v-heads done before this item: the A tile's parity
+            items = T.alloc_var("int32")   # valid items done before this one: the q / k tiles' parity
+            ahead = T.alloc_var("int32")   # this item's q / k and first V block were issued by the previous item
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
@@ -168,211 +184,248 @@ def build(dtype: str, K: int, V: int):
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
+            R = Hv // Hq
+            NB = V // BV
+            n_items = (TC // C) * Hq
+            tid = T.get_thread_binding()
+            blocks = 0
+            heads = 0
+            items = 0
+            ahead = 0
+            nbc = pid // Hq
+            nhk = pid % Hq
+            nt0 = slot_rows[nbc, 0]
+            nvalid = slot_rows[nbc, 1]
 
-            # the chunk's first row and valid rows, as gdn_prepare found them (its binary search over the sequences
-            # was a chain of dependent loads ahead of every tile load here)
-            t0 = slot_rows[bc, 0]
-            valid = slot_rows[bc, 1]
-            if valid > 0:
-                # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
-                # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
-                R = Hv // Hq
-                tid = T.get_thread_binding()
-                NB = V // BV
-                T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
-                T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
-                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, 0, t0, bc,
-                           hk * R, 0)
-                T.barrier_arrive(qk_bar[0])
-                T.mbarrier_wait_parity(qk_bar[0], 0)
-                for r in T.serial(R):  # the group's v-heads in order: deterministic sums
-                    h = hk * R + r
-                    # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=a_bar[0])
-                    # this head's row scalars into registers now, into shared memory after the V blocks: the
-                    # epilogue is their first use, so the V blocks' products hide the global-load latency (as a
-                    # load-then-store loop here, two warps held every warp's next barrier for it: ncu)
-                    rowv[0] = 0.0
-                    rowv[1] = 0.0
-                    rowv[2] = 0.0
-                    if tid < C:
-                        rowv[0] = gam_t[h, bc * C + tid]
-                        rowv[1] = gam_t[h, bc * C + valid - 1]
-                        if tid < valid:
-                            rowv[2] = beta[t0 + tid, h]
-                    T.clear(dqf)
-                    T.clear(dkf)
-                    T.clear(dks)
-                    T.clear(dP)
-                    T.clear(dAgb)
-                    T.clear(hf)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x BV
-                    for vb in T.serial(NB):  # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
-                        blk = r * NB + vb  # the CTA's running block count: buffer blk % 2, its use blk // 2
-                        b = blk % 2
-                        if blk + 1 < R * NB:  # the next block (of this head or the next) into the other buffer
-                            T.fence_proxy_async()
-                            T.sync_threads()  # block blk - 1's products and folds are done with that buffer
-                            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
-                                       loaded, 1 - b, t0, bc, hk * R + (blk + 1) // NB, ((blk + 1) % NB) * BV)
-                        T.barrier_arrive(loaded[b])
-                        T.mbarrier_wait_parity(loaded[b], (blk // 2) % 2)
-                        # the five products issued back to back, one wait (each T.gemm waited for its own)
-                        T.wgmma_gemm(do_s[b, :, :], h_s[b, :, :], dqf, transpose_B=True)
-                        T.wgmma_gemm(dw_s[b, :, :], h_s[b, :, :], dkf, transpose_B=True)
-                        T.wgmma_gemm(vn_s[b, :, :], dh_s[b, :, :], dks, transpose_B=True)
-                        T.wgmma_gemm(do_s[b, :, :], vn_s[b, :, :], dP, transpose_B=True)
-                        T.wgmma_gemm(x_s[b, :, :], w_s[b, :, :], dAgb, transpose_B=True)
-                        # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto hf's C (formerly a
-                        # K-deep product S^T dS' whose trace was taken)
-                        for i, j in T.Parallel(C, BV):
-                            hf[i, j] += fold_product(h_s, dh_s, b, i, j)
+            for it in T.serial(T.ceildiv(n_items - pid, ctas)):
+                # the chunk's first row and valid rows, as gdn_prepare found them (its binary search over the
+                # sequences was a chain of dependent loads ahead of every tile load here); the next item's, early
+                bc = nbc
+                hk = nhk
+                t0 = nt0
+                valid = nvalid
+                if pid + (it + 1) * ctas < n_items:
+                    nbc = (pid + (it + 1) * ctas) // Hq
+                    nhk = (pid + (it + 1) * ctas) % Hq
+                    nt0 = slot_rows[nbc, 0]
+                    nvalid = slot_rows[nbc, 1]
+                else:
+                    nvalid = 0
+                if valid > 0:
+                    # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
+                    # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
+                    if ahead == 0:
+                        T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
+                        T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
+                        load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
+                                   blocks % 2, t0, bc, hk * R, 0)
+                    T.barrier_arrive(qk_bar[0])
+                    T.mbarrier_wait_parity(qk_bar[0], items % 2)
+                    for r in T.serial(R):  # the group's v-heads in order: deterministic sums
+                        h = hk * R + r
+                        # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it
+                        T.fence_proxy_async()
+                        T.sync_threads()
+                        T.tma_copy(A[t0:t0 + C, h, :], a_s, barrier=a_bar[0])
+                        # this head's row scalars into registers now, into shared memory after the V blocks: the
+                        # epilogue is their first use, so the V blocks' products hide the global-load latency (as a
+                        # load-then-store loop here, two warps held every warp's next barrier for it: ncu)
+                        rowv[0] = 0.0
+                        rowv[1] = 0.0
+                        rowv[2] = 0.0
+                        if tid < C:
+                            rowv[0] = gam_t[h, bc * C + tid]
+                            rowv[1] = gam_t[h, bc * C + valid - 1]
+                            if tid < valid:
+                                rowv[2] = beta[t0 + tid, h]
+                        T.clear(dqf)
+                        T.clear(dkf)
+                        T.clear(dks)
+                        T.clear(dP)
+                        T.clear(dAgb)
+                        T.clear(hf)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x BV
+                        # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
+                        for vb in T.serial(NB):
+                            nxt = r * NB + vb + 1  # the item's next block
+                            blk = blocks + nxt - 1  # the CTA's running block count: buffer blk % 2, its use blk // 2
+                            b = blk % 2
+                            if nxt < R * NB:  # the next block (of this head or the next) into the other buffer
+                                T.fence_proxy_async()
+                                T.sync_threads()  # block blk - 1's products and folds are done with that buffer
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, 1 - b, t0, bc, hk * R + nxt // NB, (nxt % NB) * BV)
+                            elif nvalid > 0:  # the next item's first block, under this item's last epilogue
+                                T.fence_proxy_async()
+                                T.sync_threads()
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, 1 - b, nt0, nbc, nhk * R, 0)
+                            T.barrier_arrive(loaded[b])
+                            T.mbarrier_wait_parity(loaded[b], (blk // 2) % 2)
+                            # the five products issued back to back, one wait (each T.gemm waited for its own)
+                            T.wgmma_gemm(do_s[b, :, :], h_s[b, :, :], dqf, transpose_B=True)
+                            T.wgmma_gemm(dw_s[b, :, :], h_s[b, :, :], dkf, transpose_B=True)
+                            T.wgmma_gemm(vn_s[b, :, :], dh_s[b, :, :], dks, transpose_B=True)
+                            T.wgmma_gemm(do_s[b, :, :], vn_s[b, :, :], dP, transpose_B=True)
+                            T.wgmma_gemm(x_s[b, :, :], w_s[b, :, :], dAgb, transpose_B=True)
+                            # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto hf's C (formerly a
+                            # K-deep product S^T dS' whose trace was taken)
+                            for i, j in T.Parallel(C, BV):
+                                hf[i, j] += fold_product(h_s, dh_s, b, i, j)
+                            T.wait_wgmma(0)
+                            # no use of an accumulator may move above the wait
+                            T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
+                            T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
+                            T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
+                            T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
+                            T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
+                        if tid < C:
+                            gam_s[tid] = rowv[0]
+                            # the state terms' row factors, once per head (not one exp2 per C x K element)
+                            eg_s[tid] = T.exp2(rowv[0] * LOG2E)
+                            et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
+                            b_s[tid] = rowv[2]
+                            dg_s[tid] = 0.0
+                            db_s[tid] = 0.0
+                        # Q K^T (cc is free until its first use below) runs under the state terms' passes
+                        T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
+                        T.barrier_arrive(a_bar[0])
+                        T.mbarrier_wait_parity(a_bar[0], (heads + r) % 2)
+                        T.reduce_sum(hf, rp, dim=1)
+                        for i in T.Parallel(C):
+                            hd_s[i] = rp[i]
+                        # hd_s for warp 0 (its last reader, the previous head's warp 0: the head barrier)
+                        T.sync_threads()
+                        if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
+                            hh = T.warp_reduce_sum(hd_s[T.get_thread_binding()] + hd_s[T.get_thread_binding() + 32])
+
+                        # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
+                        # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
+                        for i, d in T.Parallel(C, K):
+                            dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
+                            dks[i, d] = dks[i, d] * et_s[i]
+                            dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
+                        # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state + q.dq -> r23
+                        for i, d in T.Parallel(C, K):
+                            dks[i, d] = dks[i, d] * k_s[i, d]
+                        T.reduce_sum(dks, r3, dim=1, batch=2)
+                        for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
+                            r3_s[i] = r3[i]
+                        for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
+                            dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
+                        T.reduce_sum(dks, r23, dim=1, batch=2)
+                        T.sync_threads()  # r3_s; dg_s's zeroing (also published by the A tile's mbarrier)
+                        for i in T.Parallel(C):
+                            dg_s[i] += r23[i] - 2.0 * r3_s[i]
+
+                        # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
                         T.wait_wgmma(0)
-                        # no use of an accumulator may move above the wait
+                        T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
+                        for i, j in T.Parallel(C, C):
+                            dP[i, j] = T.if_then_else(
+                                i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
+                            m_s[i, j] = T.cast(dP[i, j], dt)
+                            cc[i, j] = dP[i, j] * cc[i, j]
+                        T.fence_proxy_async()  # m_s is read by the tensor cores next
+                        # (cc keeps this product: its row sums join the A part's in one reduction)
+                        T.reduce_sum(cc, cp, dim=0, batch=8)
+                        T.sync_threads()  # m_s; dg_s's row-sum update (another thread may own row i there)
+                        for i in T.Parallel(C):
+                            dg_s[i] -= cp[i]
+                        T.wgmma_gemm(m_s, k_s, dqf)
+                        T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
+                        # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
+                        # (before m_s is rewritten) covers these reads of m_s
+
+                        # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
+                        for i, j in T.Parallel(C, C):
+                            dAgb[i, j] = T.if_then_else(
+                                i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                            dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                            cc[i, j] += dP[i, j] * b_s[j]
+                            t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
+                        T.fence_proxy_async()  # t_s is read by the tensor cores below
+                        T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
+                        T.sync_threads()  # t_s; dg_s's column-sum update
+                        for i in T.Parallel(C):
+                            dg_s[i] += ra[i]
+                        # the A part's column sums are beta_j times dP's, which dbeta takes as they are
+                        T.reduce_sum(dP, dbc, dim=0, batch=8)
+                        T.sync_threads()  # dg_s's row-sum update
+                        for i in T.Parallel(C):
+                            db_s[i] += dbc[i]
+                            dg_s[i] -= dbc[i] * b_s[i]
+                        # dL = -strictLower(A^T dA A^T)
+                        T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
+                        # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
+                        T.sync_threads()
+                        for i, j in T.Parallel(C, C):
+                            m_s[i, j] = T.cast(dAgb[i, j], dt)
+                        T.fence_proxy_async()
+                        T.sync_threads()  # m_s
+                        T.wgmma_gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
+                        T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
+                        for i, j in T.Parallel(C, C):
+                            dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
+                            cc[i, j] = dP[i, j] * cc[i, j]
+                            t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
+                        T.fence_proxy_async()  # t_s is read by the tensor cores below
+                        T.reduce_sum(cc, dbr, dim=1, batch=2)
+                        T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); db_s's update
+                        for i in T.Parallel(C):
+                            db_s[i] += dbr[i]
+                        T.wgmma_gemm(t_s, k_s, dkf)
+                        T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
+                        # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
+
+                        # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
+                        # total and eg_last * sum(S * dS')
+                        for i in T.Parallel(C):
+                            dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
+                        if T.get_thread_binding() < 32:  # the et terms' total over the valid rows, by one warp
+                            lane = T.get_thread_binding()
+                            acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
+                                                    + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
+                        # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
+                        # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
+                        T.sync_threads()  # dg_s's masking (row valid - 1 may be another thread's)
+                        if T.get_thread_binding() == 0:
+                            dg_s[valid - 1] += acc + eg_s[valid - 1] * hh
+                        T.sync_threads()  # dg_s
+                        T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
+                        T.sync_threads()  # dgc_s; db_s's last update
+                        for i in T.Parallel(C):
+                            if i < valid:
+                                dg[t0 + i, h] = dgc_s[i]
+                                dbeta[t0 + i, h] = db_s[i]
+                        # the group's running sums: each thread reads and writes only its own fragment elements. As
+                        # one read-modify-write loop TileLang could not prove that and put a CTA barrier in each of its
+                        # 16 unrolled steps; a read loop, then a write loop, have none inside
+                        T.wait_wgmma(0)
                         T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
                         T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
-                        T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
-                        T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
-                        T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
-                    if tid < C:
-                        gam_s[tid] = rowv[0]
-                        # the state terms' row factors, once per head (not one exp2 per C x K element)
-                        eg_s[tid] = T.exp2(rowv[0] * LOG2E)
-                        et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
-                        b_s[tid] = rowv[2]
-                        dg_s[tid] = 0.0
-                        db_s[tid] = 0.0
-                    # Q K^T (cc is free until its first use below) runs under the state terms' passes
-                    T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(a_bar[0])
-                    T.mbarrier_wait_parity(a_bar[0], r % 2)
-                    T.reduce_sum(hf, rp, dim=1)
-                    for i in T.Parallel(C):
-                        hd_s[i] = rp[i]
-                    T.sync_threads()  # hd_s for warp 0 (its last reader, the previous head's warp 0: the head barrier)
-                    if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
-                        hh = T.warp_reduce_sum(hd_s[T.get_thread_binding()] + hd_s[T.get_thread_binding() + 32])
-
-                    # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
-                    # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
-                    for i, d in T.Parallel(C, K):
-                        dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
-                        dks[i, d] = dks[i, d] * et_s[i]
-                        dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
-                    # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state + q.dq -> r23
-                    for i, d in T.Parallel(C, K):
-                        dks[i, d] = dks[i, d] * k_s[i, d]
-                    T.reduce_sum(dks, r3, dim=1, batch=2)
-                    for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
-                        r3_s[i] = r3[i]
-                    for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
-                        dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
-                    T.reduce_sum(dks, r23, dim=1, batch=2)
-                    T.sync_threads()  # r3_s; dg_s's zeroing (also published by the A tile's mbarrier)
-                    for i in T.Parallel(C):
-                        dg_s[i] += r23[i] - 2.0 * r3_s[i]
-
-                    # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
-                    for i, j in T.Parallel(C, C):
-                        dP[i, j] = T.if_then_else(
-                            i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
-                        m_s[i, j] = T.cast(dP[i, j], dt)
-                        cc[i, j] = dP[i, j] * cc[i, j]
-                    T.fence_proxy_async()  # m_s is read by the tensor cores next
-                    # (cc keeps this product: its row sums join the A part's in one reduction)
-                    T.reduce_sum(cc, cp, dim=0, batch=8)
-                    T.sync_threads()  # m_s; dg_s's row-sum update (another thread may own row i there)
-                    for i in T.Parallel(C):
-                        dg_s[i] -= cp[i]
-                    T.wgmma_gemm(m_s, k_s, dqf)
-                    T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
-                    # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
-                    # (before m_s is rewritten) covers these reads of m_s
-
-                    # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
-                    for i, j in T.Parallel(C, C):
-                        dAgb[i, j] = T.if_then_else(
-                            i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
-                        dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
-                        cc[i, j] += dP[i, j] * b_s[j]
-                        t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                    T.fence_proxy_async()  # t_s is read by the tensor cores below
-                    T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
-                    T.sync_threads()  # t_s; dg_s's column-sum update
-                    for i in T.Parallel(C):
-                        dg_s[i] += ra[i]
-                    # the A part's column sums are beta_j times dP's, which dbeta takes as they are
-                    T.reduce_sum(dP, dbc, dim=0, batch=8)
-                    T.sync_threads()  # dg_s's row-sum update
-                    for i in T.Parallel(C):
-                        db_s[i] += dbc[i]
-                        dg_s[i] -= dbc[i] * b_s[i]
-                    # dL = -strictLower(A^T dA A^T)
-                    T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
-                    # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
-                    T.sync_threads()
-                    for i, j in T.Parallel(C, C):
-                        m_s[i, j] = T.cast(dAgb[i, j], dt)
-                    T.fence_proxy_async()
-                    T.sync_threads()  # m_s
-                    T.wgmma_gemm(m_s, a_s, dP, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(k_s, k_s, cc, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
-                    T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
-                    for i, j in T.Parallel(C, C):
-                        dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
-                        cc[i, j] = dP[i, j] * cc[i, j]
-                        t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
-                    T.fence_proxy_async()  # t_s is read by the tensor cores below
-                    T.reduce_sum(cc, dbr, dim=1, batch=2)
-                    T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); db_s's update
-                    for i in T.Parallel(C):
-                        db_s[i] += dbr[i]
-                    T.wgmma_gemm(t_s, k_s, dkf)
-                    T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
-                    # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
-
-                    # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
-                    # total and eg_last * sum(S * dS')
-                    for i in T.Parallel(C):
-                        dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
-                    if T.get_thread_binding() < 32:  # the et terms' total over the valid rows, by one warp
-                        lane = T.get_thread_binding()
-                        acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
-                                                + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
-                    # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
-                    # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
-                    T.sync_threads()  # dg_s's masking (row valid - 1 may be another thread's)
-                    if T.get_thread_binding() == 0:
-                        dg_s[valid - 1] += acc + eg_s[valid - 1] * hh
-                    T.sync_threads()  # dg_s
-                    T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
-                    T.sync_threads()  # dgc_s; db_s's last update
-                    for i in T.Parallel(C):
-                        if i < valid:
-                            dg[t0 + i, h] = dgc_s[i]
-                            dbeta[t0 + i, h] = db_s[i]
-                    # the group's running sums: each thread reads and writes only its own fragment elements. As
-                    # one read-modify-write loop TileLang could not prove that and put a CTA barrier in each of its
-                    # 16 unrolled steps; a read loop, then a write loop, have none inside
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
-                    T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
-                    if r > 0:
+                        if r > 0:
+                            for i, d in T.Parallel(C, K):
+                                dqf[i, d] += dqa_s[i, d]
+                                dkf[i, d] += dka_s[i, d]
                         for i, d in T.Parallel(C, K):
-                            dqf[i, d] += dqa_s[i, d]
-                            dkf[i, d] += dka_s[i, d]
-                    for i, d in T.Parallel(C, K):
-                        dqa_s[i, d] = dqf[i, d]
-                        dka_s[i, d] = dkf[i, d]
-                T.sync_threads()  # every thread's last sums in dqa_s / dka_s before rows are read across threads
-                warp = T.get_thread_binding() // 32
-                lane = T.get_thread_binding() % 32
-                store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
-                store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                            dqa_s[i, d] = dqf[i, d]
+                            dka_s[i, d] = dkf[i, d]
+                    # this item's generic reads of q_s / k_s before the next item's TMA writes them
+                    T.fence_proxy_async()
+                    T.sync_threads()  # every thread's last sums in dqa_s / dka_s before rows are read across threads
+                    if nvalid > 0:  # the next item's q / k tiles load under this item's row stores
+                        T.tma_copy(q[nt0:nt0 + C, nhk, :], q_s, barrier=qk_bar[0])
+                        T.tma_copy(k[nt0:nt0 + C, nhk, :], k_s, barrier=qk_bar[0])
+                    warp = T.get_thread_binding() // 32
+                    lane = T.get_thread_binding() % 32
+                    store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                    store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                    blocks += R * NB
+                    heads += R
+                    items += 1
+                    ahead = T.if_then_else(nvalid > 0, 1, 0)
 
     return gdn_bwd_chunk

@@ -1,0 +1,87 @@
+"""A/B timing of gdn_bwd_chunk builds (GPU machine; an experiment, not a test): JSON lines on stdout.
+
+Runs the recompute and the dh chain once per row as the backward does, then times the chunk kernel alone (median of
+CUDA-event timings) from each cubin given, in turns, so every build sees the same inputs, clocks and L2 state.
+usage: python scripts/chunk_kernel_ab.py KEY NAME=CUBIN:SMEM [NAME=CUBIN:SMEM ...] [--rows SUB[,SUB...]]
+(KEY: the variant the cubins replace, e.g. gdn_bwd_chunk.bf16.K128.V128; SMEM: each build's dynamic shared memory;
+NAME=manifest times the built kernel)
+"""
+import json
+import statistics
+import sys
+
+import torch
+
+from flash_qla import backward, loader, ops
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.validation import validate_inputs
+
+
+class BuildKernel(loader.Kernel):
+    """A manifest entry's launch rules with another build's cubin and shared-memory size."""
+    __slots__ = ("image",)
+
+    def cubin(self) -> bytes:
+        return self.image
+
+
+def kernels(key, specs):
+    """name -> a loader.Kernel for that build (its own module, loaded on first launch)."""
+    lib = loader.library()
+    base = lib.kernel_by_key(key)
+    out = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        if rest == "manifest":
+            out[name] = base
+            continue
+        path, _, smem = rest.rpartition(":")
+        k = BuildKernel(lib, base.entry)
+        k.image = open(path, "rb").read()
+        k.smem = int(smem)
+        out[name] = k
+    return out
+
+
+def main():
+    args = sys.argv[1:]
+    rows = ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"]
+    if "--rows" in args:
+        i = args.index("--rows")
+        rows = args[i + 1].split(",")
+        del args[i:i + 2]
+    key, specs = args[0], args[1:]
+    builds = kernels(key, specs)
+    for row in iter_rows(load_matrix(), ("bwd",), ""):
+        if not any(w in row.key for w in rows):
+            continue
+        x = draw_inputs(row, "cuda")
+        p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
+        st = {}
+        ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
+                    saved=st)
+        do_p = ops._packed(x.do)
+        dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
+        times = {n: [] for n in builds}
+        ref = None
+        for rep in range(15):
+            for name, kern in builds.items():
+                ops._CACHE[(backward.CHUNK_KERNEL, (("dtype", "bf16"), ("K", 128), ("V", 128)))] = kern
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+                b.record()
+                torch.cuda.synchronize()
+                times[name].append(a.elapsed_time(b))
+                if rep == 0:  # every build must give the same gradients (bit for bit: same math, same order)
+                    if ref is None:
+                        ref = [t.clone() for t in out]
+                    same = all(torch.equal(u, v) for u, v in zip(ref, out))
+                    print(json.dumps({"row": row.key, "build": name, "same_as_first": same}), flush=True)
+        print(json.dumps({"row": row.key, **{n: round(statistics.median(v[3:]), 4) for n, v in times.items()}}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

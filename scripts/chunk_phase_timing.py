@@ -1,0 +1,96 @@
+"""Phase timings inside gdn_bwd_chunk from an instrumented build (GPU machine; an experiment, not a test).
+
+The instrumented build (a patched aot/kernels/gdn_bwd_chunk.py compiled to a cubin) has thread 0 of each CTA stamp
+clock64() deltas at the phase boundaries into shared memory and write them to dbeta[t0 + i, hk] (i < 22) at the end,
+and stamp 22 as dbeta[t0 + 22, hk]: the CTA's duration in ns by %globaltimer (one CTA per item), or the cycles since
+the previous item's end (the persistent kernel: PERSISTENT=1)
+(its real dbeta stores are dropped). This script runs the recompute and the dh chain as the backward does, launches
+the chunk kernel from that cubin, and prints each phase's median over the full chunks' CTAs as JSON.
+usage: python scripts/chunk_phase_timing.py CUBIN SMEM_BYTES [ROW_SUBSTRING ...]  (SMEM_BYTES: the build's dynamic
+shared memory, which the stamps' buffer makes larger than the manifest's)
+"""
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from flash_qla import backward, loader, ops
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.validation import validate_inputs
+
+KEY = "gdn_bwd_chunk.bf16.K128.V128"
+HEAD_MARKS = ["v_loop", "state_terms", "dP_part", "Agb_part", "dL_part", "dg_scan_stores", "running_sums"]
+
+
+def main():
+    image, read, init = open(sys.argv[1], "rb").read(), loader.Kernel.cubin, loader.Kernel.__init__
+    loader.Kernel.cubin = lambda self: image if self.key == KEY else read(self)
+
+    def init_with_smem(self, library, entry):
+        init(self, library, entry)
+        if self.key == KEY:
+            self.smem = int(sys.argv[2])
+    loader.Kernel.__init__ = init_with_smem
+    wants = sys.argv[3:] or ["hk16_hv32|32k_1seq"]
+    for row in iter_rows(load_matrix(), ("bwd",), ""):
+        if not any(w in row.key for w in wants):
+            continue
+        x = draw_inputs(row, "cuda")
+        p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
+        st = {}
+        ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
+                    saved=st)
+        do_p = ops._packed(x.do)
+        dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
+        for _ in range(3):
+            dq, dk, dbeta, dg = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dq, dk, dbeta, dg = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+        b.record()
+        torch.cuda.synchronize()
+        rows = st["slot_rows"].cpu()
+        marks = dbeta.cpu()
+        R = p.num_v_heads // p.num_qk_heads
+        per = {}
+        for slot in range(rows.shape[0]):
+            t0, valid = int(rows[slot, 0]), int(rows[slot, 1])
+            if valid != 64:
+                continue
+            for hk in range(p.num_qk_heads):
+                m = marks[t0:t0 + 23, hk].tolist()
+                seq = [("qk_wait", m[1] - m[0])]
+                prev = m[1]
+                for r in range(R):
+                    base = 2 + 9 * r
+                    seq.append((f"h{r}_start", m[base] - prev))
+                    for j, name in enumerate(HEAD_MARKS):
+                        seq.append((f"h{r}_{name}", m[base + 1 + j] - m[base + j]))
+                    prev = m[base + 7]
+                seq.append(("final_sync", m[20] - prev))
+                seq.append(("store_rows", m[21] - m[20]))
+                seq.append(("total", m[21]))
+                seq.append(("total_ns", m[22]))
+                for name, val in seq:
+                    per.setdefault(name, []).append(val)
+        ctas = len(per["total"])
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        grid = rows.shape[0] * p.num_qk_heads
+        kernel_ms = a.elapsed_time(b)
+        persistent = os.environ.get("PERSISTENT") == "1"
+        cta_ns = None if persistent else statistics.fmean(per["total_ns"])
+        out = {"row": row.key, "kernel_ms": round(kernel_ms, 4), "ctas_sampled": ctas, "grid": grid,
+               "clock_ghz": None if persistent else round(statistics.fmean(per["total"]) / cta_ns, 3),
+               # an SM's time per CTA beyond the stamped span (launch, slot_rows read, exit): the gap between CTAs
+               "gap_per_cta_ns": None if persistent else round(kernel_ms * 1e6 * sms / grid - cta_ns),
+               "ns_per_item_per_sm": round(kernel_ms * 1e6 * sms / grid),
+               "cycles_median": {k: round(statistics.median(v)) for k, v in per.items()},
+               "cycles_mean": {k: round(statistics.fmean(v)) for k, v in per.items()}}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
