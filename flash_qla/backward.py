@@ -32,6 +32,9 @@ CHUNK_KERNEL = "gdn_bwd_chunk"
 # reused mbarrier parity and never left (cuda-gdb on a held stall). The producer branches of the warp-specialised
 # kernels now run on one warp (aot/kernels/producer_warp.py); bench/results/experiments/backward_hang_hunt_h200.md.
 SAVE_CHAIN_BESIDE_DH = True
+# gdn_bwd_chunk's CTA count cap (None: one per SM). Tests and sanitizer runs set a small one so that small problems
+# put several items through each CTA's persistent loop.
+CHUNK_CTAS_MAX: Optional[int] = None
 
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
@@ -152,7 +155,7 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
-    ctas = min(ops._num_sms(dev), saved["TC"] // ops.CHUNK * Hq)
+    ctas = min(CHUNK_CTAS_MAX or ops._num_sms(dev), saved["TC"] // ops.CHUNK * Hq)
     ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
                 dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),

@@ -2,7 +2,10 @@
 import torch
 
 import flash_qla
-from flash_qla import cp, ops
+from flash_qla import backward, cp, ops
+
+# gdn_bwd_chunk on 3 CTAs: each walks several (chunk slot, q/k head) items (its persistent loop's prefetches)
+backward.CHUNK_CTAS_MAX = 3
 
 torch.manual_seed(0)
 lengths = [1, 63, 64, 65, 130]

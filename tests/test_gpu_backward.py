@@ -209,6 +209,30 @@ def test_fused_chunk_stage_matches_the_torch_specification(K, V):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("K,V,dtype", [(128, 128, torch.bfloat16), (64, 256, torch.float16)])
+def test_chunk_stage_is_the_same_with_several_items_per_cta(K, V, dtype, monkeypatch):
+    """gdn_bwd_chunk is persistent: each CTA walks (chunk slot, q/k head) items, loading the next item's tiles under
+    the current one. With 1, 2, 3 or 7 CTAs every CTA takes many items (empty slots among them): the gradients must
+    be the ones of one item per CTA, bit for bit."""
+    from flash_qla import backward
+    from flash_qla.validation import validate_inputs
+    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, K, V, dtype, seed=37)
+    do, dht = cotangents(x, seed=7)
+    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
+    saved = {}
+    ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
+                False, want_gate_free_inverse=True, saved=saved)
+    do_p = ops._packed(do)
+    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
+    items = saved["TC"] // ops.CHUNK * problem.num_qk_heads
+    assert items > 7 * 4
+    one_each = [t.clone() for t in backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)]
+    for ctas in (1, 2, 3, 7):
+        monkeypatch.setattr(backward, "CHUNK_CTAS_MAX", ctas)
+        got = backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)
+        assert all(torch.equal(a, b) for a, b in zip(got, one_each)), ctas
+
+
 @pytest.mark.parametrize("segment_chunks", [0, 2])
 def test_non_contiguous_v_and_h0_match_contiguous(segment_chunks, monkeypatch):
     """v and h0 with transposed strides: the forward packs them into copies that only the recompute's save chain
