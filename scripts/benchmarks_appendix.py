@@ -67,7 +67,22 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-22, tenth; backward; H200 graph medians; records in `bench/results/experiments/`):
+Latest session (2026-11-22, eleventh; backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
+geomean x FlashQLA 1.06 -> 1.07 (min 0.92 -> 0.94; 4/8 rows at or above it), x best peer 1.01 -> 1.02 (min 0.83 ->
+0.84). One change shipped:
+- gdn_bwd_chunk is persistent: one CTA per SM walks the (chunk slot, q/k head) items round-robin, and loads the next
+  item's chunk lookup, q / k tiles and first V block under the current item. Clock stamps in an instrumented build
+  (`scripts/chunk_phase_timing.py`) had shown ~2.1 us of each 26.1 us item outside the CTA (launch, lookup, exit) and
+  ~1.5 us waiting for its first tiles. Rows 0.5-3.1% faster: hk16_hv32 8k_1seq 0.803 -> 0.778, 8k_8seq 0.794 ->
+  0.776, 32k_1seq 3.040 -> 2.984, 32k_8seq 2.925 -> 2.870; hk4_hv8 32k_1seq 0.935 -> 0.925, 32k_8seq 0.852 -> 0.834.
+  A GPU test runs the stage on 1, 2, 3 and 7 CTAs (many items each) and requires the same gradients bit for bit;
+  gpu_validate 293 passed, memcheck and racecheck (chunk stage on 3 CTAs) clean, 2 x 1,000 graph replays clean.
+- Where an item's time goes now (stamps): the C x C epilogue ~53%, the V loops ~32%, the row stores ~9%. Timing-only
+  builds (`scripts/chunk_kernel_ab.py`): the V loop's products are ~9% of the kernel, the sum(S * dS') fold ~3%, and
+  hs / dhs read from L2 instead of DRAM save only 2%: the V loop is not DRAM-bound. Not taken: the row-store loop
+  unrolled (no change); 16-wide V blocks in a 4-deep ring (again, as in the ninth session: 3-6.5% slower).
+
+Session of 2026-11-22, tenth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 0.95 -> 1.06 (compare.py against the anchors; min 0.81 -> 0.92; 3/8 rows above it, hk4_hv8
 32k_8seq at 0.995), x best peer 0.90 -> 1.01 (min 0.83). The forward is unchanged (its kernels rebuilt with the fix
 below, within 1%).
