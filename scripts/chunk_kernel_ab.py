@@ -3,7 +3,8 @@
 Runs the recompute and the dh chain once per row as the backward does, then times the chunk kernel alone (median of
 CUDA-event timings) from each cubin given, in turns, so every build sees the same inputs, clocks and L2 state.
 usage: python scripts/chunk_kernel_ab.py KEY NAME=CUBIN:SMEM [NAME=CUBIN:SMEM ...] [--rows SUB[,SUB...]]
-(KEY: the variant the cubins replace, e.g. gdn_bwd_chunk.bf16.K128.V128; SMEM: each build's dynamic shared memory;
+(KEY: the variant the cubins replace, e.g. gdn_bwd_chunk.bf16.K128.V128, whose manifest entry's launch rules and
+tensor maps every build must share; cubins from scripts/compile_variant.py, which prints each build's SMEM;
 NAME=manifest times the built kernel)
 """
 import json
