@@ -45,6 +45,19 @@ def kernels(key, specs):
     return out
 
 
+def chunk_stage_inputs(row):
+    """(problem, saved, (dO packed, X, dV, dS')) for a bench row: the recompute and the dh chain as the backward runs
+    them, i.e. everything gdn_bwd_chunk reads."""
+    x = draw_inputs(row, "cuda")
+    p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
+    st = {}
+    ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
+                saved=st)
+    do_p = ops._packed(x.do)
+    dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
+    return p, st, (do_p, xx, dv, dhs)
+
+
 def main():
     args = sys.argv[1:]
     rows = ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"]
@@ -57,13 +70,7 @@ def main():
     for row in iter_rows(load_matrix(), ("bwd",), ""):
         if not any(w in row.key for w in rows):
             continue
-        x = draw_inputs(row, "cuda")
-        p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
-        st = {}
-        ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
-                    saved=st)
-        do_p = ops._packed(x.do)
-        dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
+        p, st, stage = chunk_stage_inputs(row)
         times = {n: [] for n in builds}
         ref = None
         for rep in range(15):
@@ -71,7 +78,7 @@ def main():
                 ops._CACHE[(backward.CHUNK_KERNEL, (("dtype", "bf16"), ("K", 128), ("V", 128)))] = kern
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                out = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+                out = backward._chunk_kernel(p, st, *stage)
                 b.record()
                 torch.cuda.synchronize()
                 times[name].append(a.elapsed_time(b))

@@ -19,10 +19,9 @@ import sys
 
 import torch
 
-from flash_qla import backward, loader, ops
-from flash_qla.bench.inputs import draw_inputs
+from chunk_kernel_ab import chunk_stage_inputs
+from flash_qla import backward, loader
 from flash_qla.bench.matrix import iter_rows, load_matrix
-from flash_qla.validation import validate_inputs
 
 KEY = "gdn_bwd_chunk.bf16.K128.V128"
 HEAD_MARKS = ["v_loop", "state_terms", "dP_part", "Agb_part", "dL_part", "dg_scan_stores", "running_sums"]
@@ -41,18 +40,12 @@ def main():
     for row in iter_rows(load_matrix(), ("bwd",), ""):
         if not any(w in row.key for w in wants):
             continue
-        x = draw_inputs(row, "cuda")
-        p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
-        st = {}
-        ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
-                    saved=st)
-        do_p = ops._packed(x.do)
-        dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
+        p, st, stage = chunk_stage_inputs(row)
         for _ in range(3):
-            dq, dk, dbeta, dg = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+            dq, dk, dbeta, dg = backward._chunk_kernel(p, st, *stage)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        dq, dk, dbeta, dg = backward._chunk_kernel(p, st, do_p, xx, dv, dhs)
+        dq, dk, dbeta, dg = backward._chunk_kernel(p, st, *stage)
         b.record()
         torch.cuda.synchronize()
         rows = st["slot_rows"].cpu()

@@ -189,21 +189,28 @@ def test_low_level_bwd_reads_the_forwards_inverse(segment_chunks, monkeypatch):
     assert reference.relative_l2(other[0], read["q"]) > 1e-2
 
 
-@pytest.mark.parametrize("K,V", [(128, 128), (64, 256), (128, 64)])
-def test_fused_chunk_stage_matches_the_torch_specification(K, V):
-    """gdn_bwd_chunk against flash_qla.chunk_grads (batched torch, float32) on the same recomputed inputs."""
+def chunk_stage_inputs(x, do, dht):
+    """(problem, saved, (dO packed, X, dV, dS')): what gdn_bwd_chunk reads, from the recompute and the dh chain."""
     from flash_qla import backward
     from flash_qla.validation import validate_inputs
-    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, K, V, torch.bfloat16, seed=29)
-    do, dht = cotangents(x, seed=5)
     problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
     saved = {}
     ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
                 False, want_gate_free_inverse=True, saved=saved)
     do_p = ops._packed(do)
     dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
-    fused = backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)
-    spec = backward._chunk_parallel(problem, saved, do_p, xx, dv, dhs)
+    return problem, saved, (do_p, xx, dv, dhs)
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 256), (128, 64)])
+def test_fused_chunk_stage_matches_the_torch_specification(K, V):
+    """gdn_bwd_chunk against flash_qla.chunk_grads (batched torch, float32) on the same recomputed inputs."""
+    from flash_qla import backward
+    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, K, V, torch.bfloat16, seed=29)
+    do, dht = cotangents(x, seed=5)
+    problem, saved, stage = chunk_stage_inputs(x, do, dht)
+    fused = backward._chunk_kernel(problem, saved, *stage)
+    spec = backward._chunk_parallel(problem, saved, *stage)
     errs = {n: reference.relative_l2(a, b) for n, a, b in zip(("dq", "dk", "dbeta", "dg"), fused, spec)}
     print("fused vs torch chunk stage", K, V, {n: f"{e:.1e}" for n, e in errs.items()})
     assert all(e < 1e-2 for e in errs.values()), errs
@@ -215,21 +222,15 @@ def test_chunk_stage_is_the_same_with_several_items_per_cta(K, V, dtype, monkeyp
     the current one. With 1, 2, 3 or 7 CTAs every CTA takes many items (empty slots among them): the gradients must
     be the ones of one item per CTA, bit for bit."""
     from flash_qla import backward
-    from flash_qla.validation import validate_inputs
     x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, K, V, dtype, seed=37)
     do, dht = cotangents(x, seed=7)
-    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
-    saved = {}
-    ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
-                False, want_gate_free_inverse=True, saved=saved)
-    do_p = ops._packed(do)
-    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
+    problem, saved, stage = chunk_stage_inputs(x, do, dht)
     items = saved["TC"] // ops.CHUNK * problem.num_qk_heads
     assert items > 7 * 4
-    one_each = [t.clone() for t in backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)]
+    one_each = [t.clone() for t in backward._chunk_kernel(problem, saved, *stage)]
     for ctas in (1, 2, 3, 7):
         monkeypatch.setattr(backward, "CHUNK_CTAS_MAX", ctas)
-        got = backward._chunk_kernel(problem, saved, do_p, xx, dv, dhs)
+        got = backward._chunk_kernel(problem, saved, *stage)
         assert all(torch.equal(a, b) for a, b in zip(got, one_each)), ctas
 
 
