@@ -81,6 +81,10 @@ geomean x FlashQLA 1.06 -> 1.07 (min 0.92 -> 0.94; 4/8 rows at or above it), x b
   builds (`scripts/chunk_kernel_ab.py`): the V loop's products are ~9% of the kernel, the sum(S * dS') fold ~3%, and
   hs / dhs read from L2 instead of DRAM save only 2%: the V loop is not DRAM-bound. Not taken: the row-store loop
   unrolled (no change); 16-wide V blocks in a 4-deep ring (again, as in the ninth session: 3-6.5% slower).
+- Measured, reverted (`split_long_chains_attempt_h200.md`): launching both chain kernels' longest sequences first
+  (rank ranges, four streams). The long chains then started together, but the rest of the save build held the SMs
+  and the dh chain's rest started late: hk16_hv32 32k_8seq 2.873 -> 2.895 ms, the other unequal-length rows within
+  1%. The two chains are bound by their total work at two CTAs per SM, not by the longest sequence alone.
 
 Session of 2026-11-22, tenth (backward; H200 graph medians; records in `bench/results/experiments/`):
 geomean x FlashQLA 0.95 -> 1.06 (compare.py against the anchors; min 0.81 -> 0.92; 3/8 rows above it, hk4_hv8
