@@ -138,7 +138,9 @@ def build(dtype: str, K: int, V: int):
             et_s = T.alloc_shared((C,), "float32")  # exp(gamma_last - gamma), 0 past the sequence end
             b_s = T.alloc_shared((C,), "float32")
             dg_s = T.alloc_shared((C,), "float32")
-            dgc_s = T.alloc_shared((C,), "float32")  # the scan's output (not in place)
+            cp_s = T.alloc_shared((C,), "float32")   # the P part's column sums
+            dbc_s = T.alloc_shared((C,), "float32")  # the A part's column sums
+            ra_s = T.alloc_shared((C,), "float32")   # both parts' row sums
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
             # dq, dk summed over the GVA group's v-heads, added from the accumulator layout (float2 per thread,
             # eight rows per instruction): rows padded by 32 bytes, conflict-free (8-way without, ncu)
@@ -180,6 +182,8 @@ def build(dtype: str, K: int, V: int):
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
             red = T.alloc_local((2,), "float32")
+            scan = T.alloc_local((2,), "float32")   # warp 0's dg scan: rows lane and lane + 32
+            moved = T.alloc_local((2,), "float32")
             rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
@@ -317,43 +321,43 @@ def build(dtype: str, K: int, V: int):
                         for i in T.Parallel(C):
                             dg_s[i] += r23[i] - 2.0 * r3_s[i]
 
-                        # P = scale Gamma tril(Q K^T): dPs into m_s, gamma's row/column sums of dPs * QK^T
+                        # P = scale Gamma tril(Q K^T) and Agb = Gamma A beta_col in one pass (Gamma computed once):
+                        # dPs into m_s, dA = dAgb Gamma beta_col into t_s; then gamma's row / column sums of
+                        # dPs * QK^T and dAgb * Gamma * A beta_col, and dbeta's column sums
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
                         for i, j in T.Parallel(C, C):
-                            dP[i, j] = T.if_then_else(
-                                i >= j and i < valid, dP[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E) * scale, 0.0)
+                            gm = T.if_then_else(i >= j and i < valid, T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                            dP[i, j] = dP[i, j] * gm * scale
                             m_s[i, j] = T.cast(dP[i, j], dt)
                             cc[i, j] = dP[i, j] * cc[i, j]
-                        T.fence_proxy_async()  # m_s is read by the tensor cores next
-                        # (cc keeps this product: its row sums join the A part's in one reduction)
-                        T.reduce_sum(cc, cp, dim=0, batch=8)
-                        T.sync_threads()  # m_s; dg_s's row-sum update (another thread may own row i there)
-                        for i in T.Parallel(C):
-                            dg_s[i] -= cp[i]
+                            dAgb[i, j] = dAgb[i, j] * gm
+                            t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
+                            dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                        T.fence_proxy_async()  # m_s and t_s are read by the tensor cores next
+                        T.sync_threads()  # m_s, t_s
                         T.wgmma_gemm(m_s, k_s, dqf)
                         T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
                         # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
                         # (before m_s is rewritten) covers these reads of m_s
-
-                        # Agb = Gamma A beta_col: dbeta (columns), gamma's sums, dA into t_s
-                        for i, j in T.Parallel(C, C):
-                            dAgb[i, j] = T.if_then_else(
-                                i >= j and i < valid, dAgb[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
-                            dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
-                            cc[i, j] += dP[i, j] * b_s[j]
-                            t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                        T.fence_proxy_async()  # t_s is read by the tensor cores below
-                        T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
-                        T.sync_threads()  # t_s; dg_s's column-sum update
-                        for i in T.Parallel(C):
-                            dg_s[i] += ra[i]
+                        T.reduce_sum(cc, cp, dim=0, batch=8)  # P's column sums
                         # the A part's column sums are beta_j times dP's, which dbeta takes as they are
                         T.reduce_sum(dP, dbc, dim=0, batch=8)
-                        T.sync_threads()  # dg_s's row-sum update
+                        for i, j in T.Parallel(C, C):
+                            cc[i, j] += dP[i, j] * b_s[j]
+                        T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
+                        # the three sums leave three layouts (a row's owner differs): each to its own vector, then
+                        # one barrier and one update by the row's thread
                         for i in T.Parallel(C):
-                            db_s[i] += dbc[i]
-                            dg_s[i] -= dbc[i] * b_s[i]
+                            cp_s[i] = cp[i]
+                        for i in T.Parallel(C):
+                            dbc_s[i] = dbc[i]
+                        for i in T.Parallel(C):
+                            ra_s[i] = ra[i]
+                        T.sync_threads()  # cp_s, dbc_s, ra_s
+                        if tid < C:
+                            dg_s[tid] += ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
+                            db_s[tid] += dbc_s[tid]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -380,26 +384,33 @@ def build(dtype: str, K: int, V: int):
                         T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
                         # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
 
-                        # dgamma, then dg = its reverse cumsum inside the chunk; gamma_last also takes the et terms'
-                        # total and eg_last * sum(S * dS')
-                        for i in T.Parallel(C):
-                            dg_s[i] = T.if_then_else(i < valid, dg_s[i], 0.0)
-                        if T.get_thread_binding() < 32:  # the et terms' total over the valid rows, by one warp
+                        # dgamma, then dg = its reverse cumsum inside the chunk, by warp 0 alone (rows lane and
+                        # lane + 32 in registers, the scan by shuffles: no CTA barrier and no scan buffer; the other
+                        # warps go on to the running sums). gamma_last also takes the et terms' total and
+                        # eg_last * sum(S * dS') (hh: warp 0's)
+                        T.sync_threads()  # dg_s, db_s, r3_s (their last writers are other threads)
+                        if T.get_thread_binding() < 32:
                             lane = T.get_thread_binding()
                             acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
                                                     + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
-                        # one thread writes (a shared-memory write inside the warp's branch made TileLang add a
-                        # 32-thread named barrier there, which compute-sanitizer racecheck cannot follow)
-                        T.sync_threads()  # dg_s's masking (row valid - 1 may be another thread's)
-                        if T.get_thread_binding() == 0:
-                            dg_s[valid - 1] += acc + eg_s[valid - 1] * hh
-                        T.sync_threads()  # dg_s
-                        T.cumsum(src=dg_s, dst=dgc_s, dim=0, reverse=True)
-                        T.sync_threads()  # dgc_s; db_s's last update
-                        for i in T.Parallel(C):
-                            if i < valid:
-                                dg[t0 + i, h] = dgc_s[i]
-                                dbeta[t0 + i, h] = db_s[i]
+                            acc = acc + eg_s[valid - 1] * hh
+                            scan[0] = (T.if_then_else(lane < valid, dg_s[lane], 0.0)
+                                       + T.if_then_else(lane == valid - 1, acc, 0.0))
+                            scan[1] = (T.if_then_else(lane + 32 < valid, dg_s[lane + 32], 0.0)
+                                       + T.if_then_else(lane + 32 == valid - 1, acc, 0.0))
+                            # suffix sums of each half (every lane shuffles; only lanes with a source add)
+                            for sh in T.unroll(5):
+                                moved[0] = T.shfl_down(scan[0], 1 << sh)
+                                moved[1] = T.shfl_down(scan[1], 1 << sh)
+                                scan[0] = scan[0] + T.if_then_else(lane + (1 << sh) < 32, moved[0], 0.0)
+                                scan[1] = scan[1] + T.if_then_else(lane + (1 << sh) < 32, moved[1], 0.0)
+                            scan[0] = scan[0] + T.shfl_sync(scan[1], 0)  # the upper half's total
+                            if lane < valid:
+                                dg[t0 + lane, h] = scan[0]
+                                dbeta[t0 + lane, h] = db_s[lane]
+                            if lane + 32 < valid:
+                                dg[t0 + lane + 32, h] = scan[1]
+                                dbeta[t0 + lane + 32, h] = db_s[lane + 32]
                         # the group's running sums: each thread reads and writes only its own fragment elements. As
                         # one read-modify-write loop TileLang could not prove that and put a CTA barrier in each of its
                         # 16 unrolled steps; a read loop, then a write loop, have none inside
