@@ -141,6 +141,7 @@ def build(dtype: str, K: int, V: int):
             cp_s = T.alloc_shared((C,), "float32")   # the P part's column sums
             dbc_s = T.alloc_shared((C,), "float32")  # the A part's column sums
             ra_s = T.alloc_shared((C,), "float32")   # both parts' row sums
+            r23_s = T.alloc_shared((C,), "float32")  # the state terms' row sums through q and k
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
             # dq, dk summed over the GVA group's v-heads, added from the accumulator layout (float2 per thread,
             # eight rows per instruction): rows padded by 32 bytes, conflict-free (8-way without, ncu)
@@ -288,19 +289,13 @@ def build(dtype: str, K: int, V: int):
                             eg_s[tid] = T.exp2(rowv[0] * LOG2E)
                             et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
                             b_s[tid] = rowv[2]
-                            dg_s[tid] = 0.0
-                            db_s[tid] = 0.0
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
                         T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
                         T.barrier_arrive(a_bar[0])
                         T.mbarrier_wait_parity(a_bar[0], (heads + r) % 2)
                         T.reduce_sum(hf, rp, dim=1)
-                        for i in T.Parallel(C):
+                        for i in T.Parallel(C):  # summed by warp 0 in dg's scan, after its barrier
                             hd_s[i] = rp[i]
-                        # hd_s for warp 0 (its last reader, the previous head's warp 0: the head barrier)
-                        T.sync_threads()
-                        if T.get_thread_binding() < 32:  # sum(S * dS') by one warp (a one-thread loop was ~1 us serial)
-                            hh = T.warp_reduce_sum(hd_s[T.get_thread_binding()] + hd_s[T.get_thread_binding() + 32])
 
                         # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
                         # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
@@ -317,9 +312,8 @@ def build(dtype: str, K: int, V: int):
                         for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
                             dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
                         T.reduce_sum(dks, r23, dim=1, batch=2)
-                        T.sync_threads()  # r3_s; dg_s's zeroing (also published by the A tile's mbarrier)
-                        for i in T.Parallel(C):
-                            dg_s[i] += r23[i] - 2.0 * r3_s[i]
+                        for i in T.Parallel(C):  # into dg_s with the C x C parts' sums, after their barrier
+                            r23_s[i] = r23[i]
 
                         # P = scale Gamma tril(Q K^T) and Agb = Gamma A beta_col in one pass (Gamma computed once):
                         # dPs into m_s, dA = dAgb Gamma beta_col into t_s; then gamma's row / column sums of
@@ -347,17 +341,18 @@ def build(dtype: str, K: int, V: int):
                             cc[i, j] += dP[i, j] * b_s[j]
                         T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
                         # the three sums leave three layouts (a row's owner differs): each to its own vector, then
-                        # one barrier and one update by the row's thread
+                        # one barrier and dg_s / db_s written by the row's thread (with the state terms' sums)
                         for i in T.Parallel(C):
                             cp_s[i] = cp[i]
                         for i in T.Parallel(C):
                             dbc_s[i] = dbc[i]
                         for i in T.Parallel(C):
                             ra_s[i] = ra[i]
-                        T.sync_threads()  # cp_s, dbc_s, ra_s
+                        T.sync_threads()  # cp_s, dbc_s, ra_s, r3_s, r23_s
                         if tid < C:
-                            dg_s[tid] += ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
-                            db_s[tid] += dbc_s[tid]
+                            dg_s[tid] = (r23_s[tid] - 2.0 * r3_s[tid] + ra_s[tid] - cp_s[tid]
+                                         - dbc_s[tid] * b_s[tid])
+                            db_s[tid] = dbc_s[tid]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -387,12 +382,13 @@ def build(dtype: str, K: int, V: int):
                         # dgamma, then dg = its reverse cumsum inside the chunk, by warp 0 alone (rows lane and
                         # lane + 32 in registers, the scan by shuffles: no CTA barrier and no scan buffer; the other
                         # warps go on to the running sums). gamma_last also takes the et terms' total and
-                        # eg_last * sum(S * dS') (hh: warp 0's)
+                        # eg_last * sum(S * dS')
                         T.sync_threads()  # dg_s, db_s, r3_s (their last writers are other threads)
                         if T.get_thread_binding() < 32:
                             lane = T.get_thread_binding()
                             acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
                                                     + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
+                            hh = T.warp_reduce_sum(hd_s[lane] + hd_s[lane + 32])  # sum(S * dS')
                             acc = acc + eg_s[valid - 1] * hh
                             scan[0] = (T.if_then_else(lane < valid, dg_s[lane], 0.0)
                                        + T.if_then_else(lane == valid - 1, acc, 0.0))
