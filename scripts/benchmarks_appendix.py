@@ -68,19 +68,34 @@ experiment records are in `bench/results/experiments/`):
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
 Latest session (2026-11-22, eleventh; backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
-geomean x FlashQLA 1.06 -> 1.07 (min 0.92 -> 0.94; 4/8 rows at or above it), x best peer 1.01 -> 1.02 (min 0.83 ->
-0.84). One change shipped:
-- gdn_bwd_chunk is persistent: one CTA per SM walks the (chunk slot, q/k head) items round-robin, and loads the next
-  item's chunk lookup, q / k tiles and first V block under the current item. Clock stamps in an instrumented build
-  (`scripts/chunk_phase_timing.py`) had shown ~2.1 us of each 26.1 us item outside the CTA (launch, lookup, exit) and
-  ~1.5 us waiting for its first tiles. Rows 0.5-3.1% faster: hk16_hv32 8k_1seq 0.803 -> 0.778, 8k_8seq 0.794 ->
-  0.776, 32k_1seq 3.040 -> 2.984, 32k_8seq 2.925 -> 2.870; hk4_hv8 32k_1seq 0.935 -> 0.925, 32k_8seq 0.852 -> 0.834.
-  A GPU test runs the stage on 1, 2, 3 and 7 CTAs (many items each) and requires the same gradients bit for bit;
-  gpu_validate 293 passed, memcheck and racecheck (chunk stage on 3 CTAs) clean, 2 x 1,000 graph replays clean.
-- Where an item's time goes now (stamps): the C x C epilogue ~53%, the V loops ~32%, the row stores ~9%. Timing-only
-  builds (`scripts/chunk_kernel_ab.py`): the V loop's products are ~9% of the kernel, the sum(S * dS') fold ~3%, and
-  hs / dhs read from L2 instead of DRAM save only 2%: the V loop is not DRAM-bound. Not taken: the row-store loop
-  unrolled (no change); 16-wide V blocks in a 4-deep ring (again, as in the ninth session: 3-6.5% slower).
+geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 5/8 rows at or above it), x best peer 1.01 -> 1.05 (min 0.83 ->
+0.84). Two gdn_bwd_chunk changes shipped (the chunk kernel 1.53 -> 1.41 ms on hk16_hv32 32k_1seq):
+- It is persistent: one CTA per SM walks the (chunk slot, q/k head) items round-robin, and loads the next item's
+  chunk lookup, q / k tiles and first V block under the current item. Clock stamps in an instrumented build
+  (`scripts/chunk_phase_timing.py`, `gdn_bwd_chunk_clock_stamps.diff`) had shown ~2.1 us of each 26.1 us item
+  outside the CTA (launch, lookup, exit) and ~1.5 us waiting for its first tiles. Rows 0.5-3.1% faster. A GPU test
+  runs the stage on 1, 2, 3 and 7 CTAs (many items each) and requires the same gradients bit for bit.
+- Its epilogue has six fewer CTA barriers a head: the P and Agb passes are one pass (Gamma computed once); the
+  state terms' and the C x C parts' row / column sums go to row vectors and dg_s / db_s are written once by each
+  row's thread after one barrier; dg's reverse scan runs in warp 0 with shuffles (no scan buffer). The kernel 5-8%
+  faster, timed in turns against the previous build (`scripts/chunk_kernel_ab.py`).
+- Validation at the final kernels: gpu_validate 293 passed (worst gradient rel. L2 5.2e-3 bf16, 8.3e-4 fp16),
+  memcheck and racecheck (chunk stage on 3 CTAs) clean, 3 x 1,000 graph replays clean.
+- Rows (the first two-pass run at the final kernels, `h200.jsonl`): hk16_hv32 8k_1seq 0.803 -> 0.757, 8k_8seq 0.794
+  -> 0.753 (FlashQLA 0.750), 32k_1seq 3.040 -> 3.001 (2.960), 32k_8seq 2.925 -> 2.787 (2.703); hk4_hv8 32k_1seq
+  0.935 -> 0.902 (0.904), 32k_8seq 0.852 -> 0.808.
+- hk16_hv32 32k_1seq's graph median depends on the run: 3.00 / 3.08 / 3.12 / 3.04 ms in four two-pass runs, 2.89 /
+  2.95 in two backward-only runs, while its eager median stays 2.94-2.95 (and a graph after only the forward rows,
+  in `scripts/chain_overlap_experiment.py`, 2.95). nvidia-smi during a two-pass run
+  (`bench_both_chunk_epilogue_run4_nvidia_smi_h200.csv`): 550-690 W, the software power cap active (reason 0x4) and
+  the SM clock 1875-1980 MHz. Back-to-back graph replays of the heaviest row run at the power cap; eager calls
+  (an L2 flush and a host gap between them) do not. The other rows move by less than 1% between runs.
+- Where an item's time goes (stamps, before the epilogue change): the C x C epilogue ~53%, the V loops ~32%, the row
+  stores ~9%. Timing-only builds: the V loop's products ~9% of the kernel, the sum(S * dS') fold ~3%, hs / dhs from
+  L2 instead of DRAM only 2%: the V loop is not DRAM-bound (its shared-memory traffic: both warpgroups read each
+  product's A tile). Not taken: the row-store loop unrolled (no change); 16-wide V blocks in a 4-deep ring (again,
+  as in the ninth session: 3-6.5% slower); skipping an item's first head barrier with the state terms' first two
+  passes fused (0.2-0.6% slower, `gdn_bwd_chunk_first_head_barrier_and_fused_pass_attempt.diff`).
 - Measured, reverted (`split_long_chains_attempt_h200.md`): launching both chain kernels' longest sequences first
   (rank ranges, four streams). The long chains then started together, but the rest of the save build held the SMs
   and the dh chain's rest started late: hk16_hv32 32k_8seq 2.873 -> 2.895 ms, the other unequal-length rows within
