@@ -157,13 +157,12 @@ def build(dtype: str, K: int, V: int):
             # divergent branch between the wgmmas' issue and wait, which makes ptxas serialise them
             hf = T.alloc_fragment((C, BV), "float32")
             r23 = T.alloc_fragment((C,), "float32")
-            r3 = T.alloc_fragment((C,), "float32")
             rp = T.alloc_fragment((C,), "float32")
             cp = T.alloc_fragment((C,), "float32")
             ra = T.alloc_fragment((C,), "float32")
             dbc = T.alloc_fragment((C,), "float32")
             dbr = T.alloc_fragment((C,), "float32")
-            r3_s = T.alloc_shared((C,), "float32")
+            etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
@@ -184,6 +183,7 @@ def build(dtype: str, K: int, V: int):
             ov = T.alloc_local((E,), dt)
             red = T.alloc_local((2,), "float32")
             scan = T.alloc_local((2,), "float32")   # warp 0's dg scan: rows lane and lane + 32
+            et_part = T.alloc_local((1,), "float32")
             moved = T.alloc_local((2,), "float32")
             rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
@@ -299,21 +299,23 @@ def build(dtype: str, K: int, V: int):
 
                         # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
                         # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
+                        # dgamma's row sums k.dk_state + q.dq - 2 k.(et part) in one reduction (dks is scratch once
+                        # dk has its et part); gamma_last takes the et part's total over the valid rows (et is 0
+                        # past them): each thread's sum, then one shuffle reduction per warp
+                        et_part[0] = 0.0
                         for i, d in T.Parallel(C, K):
                             dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
                             dks[i, d] = dks[i, d] * et_s[i]
                             dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
-                        # row sums (dks is scratch from here): k.(et part) -> r3, k.dk_state + q.dq -> r23
-                        for i, d in T.Parallel(C, K):
-                            dks[i, d] = dks[i, d] * k_s[i, d]
-                        T.reduce_sum(dks, r3, dim=1, batch=2)
-                        for i in T.Parallel(C):  # one fragment per loop: the reductions leave differing layouts
-                            r3_s[i] = r3[i]
-                        for i, d in T.Parallel(C, K):  # both row sums enter dg_s: one reduction
-                            dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d]
+                            kt = dks[i, d] * k_s[i, d]
+                            et_part[0] += kt
+                            dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d] - 2.0 * kt
                         T.reduce_sum(dks, r23, dim=1, batch=2)
                         for i in T.Parallel(C):  # into dg_s with the C x C parts' sums, after their barrier
                             r23_s[i] = r23[i]
+                        et_part[0] = T.warp_reduce_sum(et_part[0])
+                        if T.get_thread_binding() % 32 == 0:  # read by warp 0 in dg's scan, after its barrier
+                            etw_s[T.get_thread_binding() // 32] = et_part[0]
 
                         # P = scale Gamma tril(Q K^T) and Agb = Gamma A beta_col in one pass (Gamma computed once):
                         # dPs into m_s, dA = dAgb Gamma beta_col into t_s; then gamma's row / column sums of
@@ -348,10 +350,9 @@ def build(dtype: str, K: int, V: int):
                             dbc_s[i] = dbc[i]
                         for i in T.Parallel(C):
                             ra_s[i] = ra[i]
-                        T.sync_threads()  # cp_s, dbc_s, ra_s, r3_s, r23_s
+                        T.sync_threads()  # cp_s, dbc_s, ra_s, r23_s
                         if tid < C:
-                            dg_s[tid] = (r23_s[tid] - 2.0 * r3_s[tid] + ra_s[tid] - cp_s[tid]
-                                         - dbc_s[tid] * b_s[tid])
+                            dg_s[tid] = r23_s[tid] + ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
                             db_s[tid] = dbc_s[tid]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
@@ -383,11 +384,10 @@ def build(dtype: str, K: int, V: int):
                         # lane + 32 in registers, the scan by shuffles: no CTA barrier and no scan buffer; the other
                         # warps go on to the running sums). gamma_last also takes the et terms' total and
                         # eg_last * sum(S * dS')
-                        T.sync_threads()  # dg_s, db_s, r3_s (their last writers are other threads)
+                        T.sync_threads()  # dg_s, db_s, etw_s, hd_s (their last writers are other threads)
                         if T.get_thread_binding() < 32:
                             lane = T.get_thread_binding()
-                            acc = T.warp_reduce_sum(T.if_then_else(lane < valid, r3_s[lane], 0.0)
-                                                    + T.if_then_else(lane + 32 < valid, r3_s[lane + 32], 0.0))
+                            acc = T.warp_reduce_sum(T.if_then_else(lane < WARPS, etw_s[lane % WARPS], 0.0))
                             hh = T.warp_reduce_sum(hd_s[lane] + hd_s[lane + 32])  # sum(S * dS')
                             acc = acc + eg_s[valid - 1] * hh
                             scan[0] = (T.if_then_else(lane < valid, dg_s[lane], 0.0)
