@@ -68,8 +68,8 @@ experiment records are in `bench/results/experiments/`):
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
 Latest session (2026-11-22, eleventh; backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
-geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 5/8 rows at or above it), x best peer 1.01 -> 1.05 (min 0.83 ->
-0.84). Two gdn_bwd_chunk changes shipped (the chunk kernel 1.53 -> 1.41 ms on hk16_hv32 32k_1seq):
+geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 6/8 rows at or above it), x best peer 1.01 -> 1.05 (min 0.83 ->
+0.85). Three gdn_bwd_chunk changes shipped (the chunk kernel 1.53 -> 1.41 ms on hk16_hv32 32k_1seq):
 - It is persistent: one CTA per SM walks the (chunk slot, q/k head) items round-robin, and loads the next item's
   chunk lookup, q / k tiles and first V block under the current item. Clock stamps in an instrumented build
   (`scripts/chunk_phase_timing.py`, `gdn_bwd_chunk_clock_stamps.diff`) had shown ~2.1 us of each 26.1 us item
@@ -79,14 +79,18 @@ geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 5/8 rows at or above it), x b
   state terms' and the C x C parts' row / column sums go to row vectors and dg_s / db_s are written once by each
   row's thread after one barrier; dg's reverse scan runs in warp 0 with shuffles (no scan buffer). The kernel 5-8%
   faster, timed in turns against the previous build (`scripts/chunk_kernel_ab.py`).
+- dgamma's two state-term row sums in one reduction (k.dk + q.dq - 2 k.(et part)); gamma_last's et total from
+  per-thread sums and one shuffle reduction per warp (0.1-0.4% on the hv32 rows).
 - Validation at the final kernels: gpu_validate 293 passed (worst gradient rel. L2 5.2e-3 bf16, 8.3e-4 fp16),
   memcheck and racecheck (chunk stage on 3 CTAs) clean, 3 x 1,000 graph replays clean.
-- Rows (the first two-pass run at the final kernels, `h200.jsonl`): hk16_hv32 8k_1seq 0.803 -> 0.757, 8k_8seq 0.794
-  -> 0.753 (FlashQLA 0.750), 32k_1seq 3.040 -> 3.001 (2.960), 32k_8seq 2.925 -> 2.787 (2.703); hk4_hv8 32k_1seq
-  0.935 -> 0.902 (0.904), 32k_8seq 0.852 -> 0.808.
-- hk16_hv32 32k_1seq's graph median depends on the run: 3.00 / 3.08 / 3.12 / 3.04 ms in four two-pass runs, 2.89 /
-  2.95 in two backward-only runs, while its eager median stays 2.94-2.95 (and a graph after only the forward rows,
-  in `scripts/chain_overlap_experiment.py`, 2.95). nvidia-smi during a two-pass run
+- Rows (the first two-pass run at the final kernels, `h200.jsonl`): hk16_hv32 8k_1seq 0.803 -> 0.756, 8k_8seq 0.794
+  -> 0.748 (FlashQLA 0.750), 32k_1seq 3.040 -> 2.967 (2.960), 32k_8seq 2.925 -> 2.780 (2.703); hk4_hv8 32k_1seq
+  0.935 -> 0.897 (0.904), 32k_8seq 0.852 -> 0.808. Still below FlashQLA: hk16_hv32 32k_1seq (0.998x) and 32k_8seq
+  (0.97x).
+- hk16_hv32 32k_1seq's graph median depends on the run: at the second change's build 3.00 / 3.08 / 3.12 / 3.04 ms in
+  four two-pass runs and 2.89 / 2.95 in two backward-only runs, while its eager median stayed 2.94-2.95 (and a graph
+  after only the forward rows, in `scripts/chain_overlap_experiment.py`, 2.95); at the final build 2.967 (eager
+  2.915). nvidia-smi during a two-pass run
   (`bench_both_chunk_epilogue_run4_nvidia_smi_h200.csv`): 550-690 W, the software power cap active (reason 0x4) and
   the SM clock 1875-1980 MHz. Back-to-back graph replays of the heaviest row run at the power cap; eager calls
   (an L2 flush and a host gap between them) do not. The other rows move by less than 1% between runs.
