@@ -6,7 +6,9 @@ and stamp 22 as dbeta[t0 + 22, hk]: the CTA's duration in ns by %globaltimer (on
 the previous item's end (the persistent kernel: PERSISTENT=1)
 (its real dbeta stores are dropped). This script runs the recompute and the dh chain as the backward does, launches
 the chunk kernel from that cubin, and prints each phase's median over the full chunks' CTAs as JSON.
-The persistent kernel's build: `git apply bench/results/experiments/gdn_bwd_chunk_clock_stamps.diff`, then
+The persistent kernel's build (the stamp patch applies to aot/kernels/gdn_bwd_chunk.py as of commit fa5ca78, before
+the epilogue changes: `git checkout fa5ca78 -- aot/kernels/gdn_bwd_chunk.py` first, and port the stamps to use them on
+a later kernel): `git apply bench/results/experiments/gdn_bwd_chunk_clock_stamps.diff`, then
 `python scripts/compile_variant.py gdn_bwd_chunk "{'dtype': 'bf16', 'K': 128, 'V': 128}" stamps.cubin` (prints SMEM),
 then `git checkout aot/kernels/gdn_bwd_chunk.py` (the stamp layout there: stamp 22 = cycles since the previous item).
 usage: python scripts/chunk_phase_timing.py CUBIN SMEM_BYTES [ROW_SUBSTRING ...]  (SMEM_BYTES: the build's dynamic
