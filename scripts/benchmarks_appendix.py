@@ -86,7 +86,8 @@ geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 6/8 rows at or above it), x b
 - Rows (the first two-pass run at the final kernels, `h200.jsonl`): hk16_hv32 8k_1seq 0.803 -> 0.756, 8k_8seq 0.794
   -> 0.748 (FlashQLA 0.750), 32k_1seq 3.040 -> 2.967 (2.960), 32k_8seq 2.925 -> 2.780 (2.703); hk4_hv8 32k_1seq
   0.935 -> 0.897 (0.904), 32k_8seq 0.852 -> 0.808. Still below FlashQLA: hk16_hv32 32k_1seq (0.998x) and 32k_8seq
-  (0.97x).
+  (0.97x). Two more runs at the final build: 8k_8seq 0.752 / 0.756 (at FlashQLA's 0.750 within the spread), 32k_1seq
+  3.158 / 2.943 (eager 2.93), 32k_8seq 2.784 / 2.799; the other rows within 1% (`gdn_bwd_chunk_persistent_h200.md`).
 - hk16_hv32 32k_1seq's graph median depends on the run: at the second change's build 3.00 / 3.08 / 3.12 / 3.04 ms in
   four two-pass runs and 2.89 / 2.95 in two backward-only runs, while its eager median stayed 2.94-2.95 (and a graph
   after only the forward rows, in `scripts/chain_overlap_experiment.py`, 2.95); at the final build 2.967 (eager
