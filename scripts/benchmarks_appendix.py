@@ -100,7 +100,9 @@ geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 6/8 rows at or above it), x b
   L2 instead of DRAM only 2%: the V loop is not DRAM-bound (its shared-memory traffic: both warpgroups read each
   product's A tile). Not taken: the row-store loop unrolled (no change); 16-wide V blocks in a 4-deep ring (again,
   as in the ninth session: 3-6.5% slower); skipping an item's first head barrier with the state terms' first two
-  passes fused (0.2-0.6% slower, `gdn_bwd_chunk_first_head_barrier_and_fused_pass_attempt.diff`).
+  passes fused (0.2-0.6% slower, `gdn_bwd_chunk_first_head_barrier_and_fused_pass_attempt.diff`); the V blocks'
+  buffers released by an mbarrier that only warp 0 waits on instead of a CTA barrier (4% slower: the warpgroups
+  drift out of step; `gdn_bwd_chunk_buffer_release_mbarrier_attempt.diff`).
 - Measured, reverted (`split_long_chains_attempt_h200.md`): launching both chain kernels' longest sequences first
   (rank ranges, four streams). The long chains then started together, but the rest of the save build held the SMs
   and the dh chain's rest started late: hk16_hv32 32k_8seq 2.873 -> 2.895 ms, the other unequal-length rows within
