@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from chunk_kernel_ab import chunk_stage_inputs
-from flash_qla import backward, loader
+from chunk_kernel_ab import chunk_stage_inputs, kernels, use
+from flash_qla import backward
 from flash_qla.bench.matrix import iter_rows, load_matrix
 
 KEY = "gdn_bwd_chunk.bf16.K128.V128"
@@ -30,14 +30,7 @@ HEAD_MARKS = ["v_loop", "state_terms", "dP_part", "Agb_part", "dL_part", "dg_sca
 
 
 def main():
-    image, read, init = open(sys.argv[1], "rb").read(), loader.Kernel.cubin, loader.Kernel.__init__
-    loader.Kernel.cubin = lambda self: image if self.key == KEY else read(self)
-
-    def init_with_smem(self, library, entry):
-        init(self, library, entry)
-        if self.key == KEY:
-            self.smem = int(sys.argv[2])
-    loader.Kernel.__init__ = init_with_smem
+    use(kernels(KEY, [f"stamps={sys.argv[1]}:{sys.argv[2]}"])["stamps"])
     wants = sys.argv[3:] or ["hk16_hv32|32k_1seq"]
     for row in iter_rows(load_matrix(), ("bwd",), ""):
         if not any(w in row.key for w in wants):
