@@ -226,9 +226,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # recurrence kernels then read in place of q / k
     qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
               else (qp, kp))
-    _launch("gdn_prepare", {"dtype": tag, "K": K}, dev,
+    _launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
-                 read_a=int(read_a), g_is_cumsum=int(g_is_cumsum)),
+                 g_is_cumsum=int(g_is_cumsum)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
              "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),

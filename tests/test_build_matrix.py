@@ -40,21 +40,21 @@ def test_changed_kernel_source_fails_check(tmp_path):
     r = _check_after_edit(tmp_path, "gdn_fwd.py")
     assert r.returncode == 1
     assert "gdn_fwd.bf16.K128.V128.BV64.modesave: stale" in r.stdout
-    assert "gdn_prepare.bf16.K128" not in r.stdout  # other kernels stay current
+    assert "gdn_prepare.bf16.K128.Asolve" not in r.stdout  # other kernels stay current
 
 
 def test_changed_shared_helper_makes_its_importers_stale(tmp_path):
     r = _check_after_edit(tmp_path, "common.py")
     assert r.returncode == 1
-    assert "gdn_prepare.bf16.K128: stale" in r.stdout and "gdn_bwd_chunk.bf16.K128.V128: stale" in r.stdout
+    assert "gdn_prepare.bf16.K128.Asolve: stale" in r.stdout and "gdn_bwd_chunk.bf16.K128.V128: stale" in r.stdout
     assert "gdn_fwd_st" not in r.stdout  # kernels that do not import it stay current
 
 
 def test_changed_compiler_or_missing_cubin_fails_check(tmp_path):
     tree = _copy_tree(tmp_path)
-    (tree / "flash_qla" / "_kernels" / "sm90a" / "gdn_prepare.fp16.K64.cubin.xz").unlink()
+    (tree / "flash_qla" / "_kernels" / "sm90a" / "gdn_prepare.fp16.K64.Aread.cubin.xz").unlink()
     r = _check(tree)
-    assert r.returncode == 1 and "gdn_prepare.fp16.K64: cannot read" in r.stdout
+    assert r.returncode == 1 and "gdn_prepare.fp16.K64.Aread: cannot read" in r.stdout
     comp = tree / "aot" / "compile.py"
     comp.write_text(comp.read_text() + "\n# a change\n")
     r = _check(tree)

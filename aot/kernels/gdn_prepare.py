@@ -2,7 +2,7 @@
 
 Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_i - gamma_j) (i >= j):
   A    = (I + strictLower(diag(beta) K K^T))^-1, the gate-free inverse (FlashQLA's A; stored on request, or
-         read instead of solved when the caller has it: read_a),
+         read instead of solved when the caller has it: the A = "read" builds),
   Agb  = Gamma * A * beta_col                       (the gate re-applied elementwise: never overflows),
   P    = scale * Gamma * tril(Q K^T),
   eg   = exp(gamma_i), et = exp(gamma_last - gamma_i) (0 past the sequence end), gamma itself (the cumsum of g,
@@ -17,7 +17,10 @@ sequence n, a device-side cumsum of ceil(len / 64)); nothing is read on the host
 Layouts: Agb, P, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
 64-slot tiles per chunk, [Hv, chunk slot * 64 + row], so the forward streams each as one TMA tile.
 
-The inverse: chunk_inverse.py (blocked, 3xTF32 tensor-core products, one warpgroup).
+The inverse: chunk_inverse.py (blocked, 3xTF32 tensor-core products, one warpgroup). The "read" builds (the
+backward given the forward's A) have no solve and keep only K K^T's diagonal (35 KB of shared memory instead of
+52), and each thread's A rows for a head are loaded at once: one at a time, each waited for by its own stores,
+the stage ran at ~2.4 TB/s (hk16_hv32 32k: 0.282 -> 0.231 ms, H200).
 """
 import tilelang.language as T
 
@@ -28,7 +31,7 @@ from .tile_rows import l2norm_row
 C = 64
 B = 16            # diagonal block of the blocked inverse (chunk_inverse.py)
 HPC_MAX = 4       # v-heads per CTA at most (flash_qla/planner.py picks how many, a divisor of Hv / Hq)
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128]}
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "A": ["solve", "read"]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 128     # one warpgroup: the two 64 x 64 x K products are single wgmmas
 # Liveness-based shared-memory reuse (the q / k tiles give way to K K^T, Q K^T and the inverse): 52 KB instead
@@ -46,8 +49,19 @@ ROWS_PER_PASS = THREADS // 8   # output stores: 8 threads cover a row (8 columns
 LOG2E = 1.4426950408889634
 
 
-def build(dtype: str, K: int):
+@T.macro
+def load_a_rows(A, avs, t0, h, valid, c0):
+    """avs[ps] = the caller's A, head h, row ps * ROWS_PER_PASS + tid / 8, columns c0..c0+7 (valid rows only)."""
+    for ps in T.unroll(C // ROWS_PER_PASS):
+        row = ps * ROWS_PER_PASS + T.get_thread_binding() // 8
+        if row < valid:
+            for u in T.vectorized(8):
+                avs[ps, u] = A[t0 + row, h, c0 + u]
+
+
+def build(dtype: str, K: int, A: str = "solve"):
     dt = DTYPES[dtype]
+    read = A == "read"  # compile time: the caller's A is read, nothing solved
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -76,13 +90,13 @@ def build(dtype: str, K: int):
         write_a: T.int32,
         hpc: T.int32,
         l2norm: T.int32,
-        read_a: T.int32,
         g_is_cumsum: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
         with T.Kernel(T.ceildiv(NT, C) + N, Hv // hpc, threads=THREADS) as (bc, hg):
-            # four CTAs per SM (shared memory allows four): at most 128 registers per thread
+            # four CTAs per SM (shared memory allows four; six reading A): at most 128 registers per thread. Five
+            # reading A (102 registers) spilled and ran 2-6% slower than four (H200, scripts/kernel_replay_ab.py)
             T.annotate_min_blocks_per_sm(4)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
@@ -90,12 +104,14 @@ def build(dtype: str, K: int):
             qk = T.alloc_fragment((C, C), "float32")
             # K K^T and scale Q K^T, shared by the group's heads: beta scales K K^T's rows and the gate
             # multiplies both per head. Padded rows: the MMA-layout stores hit 4-8-way bank conflicts without (ncu)
-            kk_s = T.alloc_shared((C, C + 4), "float32")
+            # (reading A: only K K^T's diagonal |k_i|^2, for bkk_max)
+            kk_s = T.alloc_shared((C, 1) if read else (C, C + 4), "float32")
             qk_s = T.alloc_shared((C, C + 8), dt)
-            ainv = T.alloc_shared((C, C + 4), "float32")
-            # L_rc A_cc of the current step, read as the products' B operand: rows padded to 40 words, so the
-            # fragment loads (4 rows x 8 columns per instruction) hit 32 different banks
-            tmp = T.alloc_shared((2 * B, 2 * B + 8), "float32")
+            if not read:
+                ainv = T.alloc_shared((C, C + 4), "float32")
+                # L_rc A_cc of the current step, read as the products' B operand: rows padded to 40 words, so the
+                # fragment loads (4 rows x 8 columns per instruction) hit 32 different banks
+                tmp = T.alloc_shared((2 * B, 2 * B + 8), "float32")
             graw = T.alloc_shared((HPC_MAX, C), "float32")
             gam = T.alloc_shared((HPC_MAX, C), "float32")
             b_s = T.alloc_shared((HPC_MAX, C), "float32")
@@ -111,7 +127,9 @@ def build(dtype: str, K: int):
             pvals = T.alloc_local((8,), dt)
             qv = T.alloc_local((8,), dt)
             a8 = T.alloc_local((8,), "float32")
-            av = T.alloc_local((8,), dt)  # a row segment of the caller's A (read_a)
+            # reading A: this thread's row segments of the caller's A for one head, all four passes' loads issued
+            # together (one at a time, each waited for by its pass's stores, left ~8 KB in flight per SM)
+            avs = T.alloc_local((C // ROWS_PER_PASS, 8), dt)
             l2n = T.alloc_local((8,), dt)
             nrm = T.alloc_local((2,), "float32")
             gcol = T.alloc_local((8,), "float32")
@@ -197,15 +215,21 @@ def build(dtype: str, K: int):
                 # Unmasked: the solve reads K K^T only below the diagonal (the diagonal, |k|^2, rides along for
                 # bkk_max), and the upper triangles are zeroed on the way out
                 for i, j in T.Parallel(C, C):
-                    kk_s[i, j] = kk[i, j]
+                    if read:
+                        if i == j:
+                            kk_s[i, 0] = kk[i, j]
+                    else:
+                        kk_s[i, j] = kk[i, j]
                     qk_s[i, j] = T.cast(qk[i, j] * scale, dt)
-                T.sync_threads()
                 c0 = tid % 8 * 8     # output columns of this thread
+                T.sync_threads()
                 for hj in T.serial(hpc):
                     h = hg * hpc + hj
-                    # with read_a the forward's gate-free inverse (FlashQLA's low-level backward passes it in) is
+                    # reading A: the forward's gate-free inverse (FlashQLA's low-level backward passes it in) is
                     # read row by row below instead of solved again
-                    if read_a == 0:
+                    if read:
+                        load_a_rows(A, avs, t0, h, valid, c0)
+                    else:
                         invert_chunk(kk_s, b_s, hj, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid)
                     # outputs: 8 threads per row, 16 bytes each, so a warp stores four whole 128-byte rows
                     # (the former 2-threads-per-row order used half of every stored sector, ncu)
@@ -216,11 +240,9 @@ def build(dtype: str, K: int):
                         row = ps * ROWS_PER_PASS + tid // 8
                         if row < valid:
                             gr = gam[hj, row]
-                            if read_a != 0:
-                                for u in T.vectorized(8):
-                                    av[u] = A[t0 + row, h, c0 + u]
+                            if read:
                                 for u in T.unroll(8):
-                                    a8[u] = T.cast(av[u], "float32")
+                                    a8[u] = T.cast(avs[ps, u], "float32")
                             else:
                                 for half in T.unroll(2):
                                     for u in T.vectorized(4):
@@ -237,7 +259,7 @@ def build(dtype: str, K: int):
                                 agb[t0 + row, h, c0 + u] = vals[u]
                             for u in T.vectorized(8):
                                 p[t0 + row, h, c0 + u] = pvals[u]
-                            if write_a != 0:
+                            if not read and write_a != 0:
                                 for u in T.unroll(8):
                                     vals[u] = T.if_then_else(row >= c0 + u, T.cast(a8[u], dt), T.cast(0, dt))
                                 for u in T.vectorized(8):
@@ -256,7 +278,8 @@ def build(dtype: str, K: int):
                             out[u] = T.if_then_else(
                                 tid + u * H < valid,
                                 T.if_then_else(b_s[hj, tid + u * H] < 0, 3.0,
-                                               b_s[hj, tid + u * H] * kk_s[tid + u * H, tid + u * H]), -1.0)
+                                               b_s[hj, tid + u * H]
+                                               * kk_s[tid + u * H, 0 if read else tid + u * H]), -1.0)
                         wmax = T.warp_reduce_max(T.max(out[0], out[1]))
                         if tid == 0:
                             bkk_max[h, bc] = wmax
