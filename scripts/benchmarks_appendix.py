@@ -67,7 +67,38 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-22, eleventh; backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
+Latest session (2026-11-22, twelfth; backward; H200 graph medians): geomean x FlashQLA 1.10 -> 1.11 (min 0.97 ->
+0.98), x best peer 1.05 -> 1.06 (min 0.85 -> 0.83: hk16_hv32 32k_1seq's graph median in `h200.jsonl` is a power-cap
+run, see below). One change shipped:
+- gdn_prepare has an `A` axis (solve / read). The read builds run in the backward when the caller passes the
+  forward's A (FlashQLA's low-level API, as the bench calls it). They have no solve and keep only K K^T's diagonal
+  (35 KB of shared memory instead of 52). Each thread's A rows for a head load at once: one load per pass, each
+  waited for by that pass's stores, had left ~8 KB in flight per SM. The stage went 0.282 -> 0.231 ms on hk16_hv32
+  32k and 0.083 -> 0.069 on 8k, timed in turns inside the bench's own call (`scripts/kernel_replay_ab.py`), with the
+  same gradients bit for bit. It now moves ~2.9 TB/s.
+- Variants measured and not taken: five CTAs per SM with the column factors re-read from shared memory (32k -3%,
+  8k +5%); A loads issued before the products (13% slower).
+- Validation: gpu_validate 293 passed, memcheck 0 errors, racecheck 0 hazards; 3 x 1,000 graph replays clean.
+- Rows (`h200.jsonl`, the first two-pass run at this build; a second two-pass run and two backward-only runs in
+  `experiments/*prepare_read*`):
+  - hk16_hv32 8k_1seq 0.756 -> 0.742;
+  - 8k_8seq 0.748 -> 0.739 (FlashQLA 0.750);
+  - 32k_1seq 2.967 -> 3.030, though the other three runs gave 2.825 / 2.927 / 2.925 and eager stayed at 2.91-2.94;
+  - 32k_8seq 2.780 -> 2.754 (2.703; the other runs 2.747 / 2.761 / 2.766);
+  - hk4_hv8 rows within 1.5%.
+  Still below FlashQLA: 32k_8seq in every run (0.98x) and 32k_1seq in this run.
+- Measured, reverted (records and diffs in `experiments/`):
+  - gdn_bwd_chunk beside the dh chain (`chunk_beside_dh_chain_attempt_h200.md`). Progress flags signalled by the
+    dh chain; a ticket counter shared with the launch after the chain. It was correct, with new gating tests, but
+    the signals cost the dh chain 0.3 ms on 32k_1seq, and the rows that fail leave no SM idle to fill (a chunk CTA
+    needs a whole SM).
+  - The longest sequence's dh chains in a launch of their own at BV 32 (`dh_long_chains_split_attempt_h200.md`). Its
+    chain halved, but the stage is bound by one BV-64 CTA per SM: 32k_8seq 2.725 -> 2.813 ms.
+- What 32k_8seq needs: its chains run one latency-bound BV-64 CTA per SM (dh: 173 KB, 136 registers over 384
+  threads; ~2.7 us a chunk step), 0.23 + 0.50 + 0.67 ms before a 1.37 ms chunk stage. Two chain CTAs per SM, or a
+  chain step with one dependent product instead of three, is a rewrite of gdn_bwd_dh.
+
+Session of 2026-11-22, eleventh (backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
 geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 6/8 rows at or above it), x best peer 1.01 -> 1.05 (min 0.83 ->
 0.85). Three gdn_bwd_chunk changes shipped (the chunk kernel 1.53 -> 1.41 ms on hk16_hv32 32k_1seq):
 - It is persistent: one CTA per SM walks the (chunk slot, q/k head) items round-robin, and loads the next item's
