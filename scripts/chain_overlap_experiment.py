@@ -25,9 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flash_qla import backward, cp, ops
 from flash_qla.bench import timing
-from flash_qla.bench.inputs import draw_inputs
-from flash_qla.bench.matrix import iter_rows, load_matrix
-from flash_qla.bench.workloads import backward_call, forward_for_backward
+from flash_qla.bench.workloads import backward_rows
 
 ORIG_LAUNCH, ORIG_BLOCK_V, ORIG_SIDE, ORIG_SEGMENTS = ops._launch, ops._block_v, ops._side_stream, ops._segment_chunks
 STATE = {"parts": set(), "held": [], "chosen": {}}
@@ -106,12 +104,7 @@ def main():
     arrangements, wants = sys.argv[1].split(","), sys.argv[2:] or [""]
     device = torch.device("cuda")
     timing.prepare_device(device)
-    for row in iter_rows(load_matrix(), ("bwd",), ""):
-        if not any(w in row.key for w in wants):
-            continue
-        x = draw_inputs(row, "cuda")
-        g_cumsum, A = forward_for_backward(x, "kernels")
-        call = backward_call(x, g_cumsum, A, "kernels")
+    for row, _, call in backward_rows(wants):
         for arrangement in arrangements:
             STATE["parts"] = set(arrangement.split("+"))
             STATE["chosen"] = {}

@@ -63,13 +63,19 @@ def chunk_stage_inputs(row):
     return p, st, (do_p, xx, dv, dhs)
 
 
+def rows_option(args: list, default: list) -> list:
+    """The --rows SUB[,SUB...] option's row substrings (default without it), removed from args."""
+    if "--rows" not in args:
+        return default
+    i = args.index("--rows")
+    rows = args[i + 1].split(",")
+    del args[i:i + 2]
+    return rows
+
+
 def main():
     args = sys.argv[1:]
-    rows = ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"]
-    if "--rows" in args:
-        i = args.index("--rows")
-        rows = args[i + 1].split(",")
-        del args[i:i + 2]
+    rows = rows_option(args, ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"])
     key, specs = args[0], args[1:]
     builds = kernels(key, specs)
     for row in iter_rows(load_matrix(), ("bwd",), ""):

@@ -14,32 +14,21 @@ import sys
 import torch
 
 from flash_qla import loader, ops
-from flash_qla.bench.inputs import draw_inputs
-from flash_qla.bench.matrix import iter_rows, load_matrix
-from flash_qla.bench.workloads import backward_call, forward_for_backward
+from flash_qla.bench.workloads import backward_rows
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from chunk_kernel_ab import kernels, use  # noqa: E402
+from chunk_kernel_ab import kernels, rows_option, use  # noqa: E402
 
 
 def main():
     args = sys.argv[1:]
-    rows = ["hk16_hv32|32k_1seq", "hk16_hv32|8k_8seq"]
-    if "--rows" in args:
-        i = args.index("--rows")
-        rows = args[i + 1].split(",")
-        del args[i:i + 2]
+    rows = rows_option(args, ["hk16_hv32|32k_1seq", "hk16_hv32|8k_8seq"])
     kernel, key, specs = args[0], args[1], args[2:]
     builds = kernels(key, specs)
     base = loader.library().kernel_by_key(key)
     device = torch.device("cuda", torch.cuda.current_device())
     real_launch = ops._launch
-    for row in iter_rows(load_matrix(), ("bwd",), ""):
-        if not any(w in row.key for w in rows):
-            continue
-        x = draw_inputs(row, "cuda")
-        g_cumsum, A = forward_for_backward(x, "kernels")
-        call = backward_call(x, g_cumsum, A, "kernels")
+    for row, _, call in backward_rows(rows):
         want = [t.clone() for t in call() if t is not None]
         for name, kern in builds.items():  # each build's whole backward: the same gradients, bit for bit
             use(kern)

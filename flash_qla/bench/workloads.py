@@ -5,13 +5,14 @@ package provides (the reference today, the sm_90a kernels later) is what gets ti
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Iterator, Sequence, Tuple
 
 import torch
 
 import flash_qla
 
-from .inputs import BenchInputs
+from .inputs import BenchInputs, draw_inputs
+from .matrix import BenchRow, iter_rows, load_matrix
 
 
 def forward_call(x: BenchInputs, backend: str) -> Callable[[], object]:
@@ -40,3 +41,13 @@ def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backe
                                                     scale=x.scale, initial_state=x.h0, cu_seqlens=x.cu_seqlens,
                                                     backend=backend)
     return run
+
+
+def backward_rows(wants: Sequence[str], backend: str = "kernels") -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
+    """(row, inputs, the timed backward call) for each backward row of the standard matrix whose key contains one
+    of wants (the experiment scripts' row selection), with the forward it consumes already run."""
+    for row in iter_rows(load_matrix(), ("bwd",), ""):
+        if any(w in row.key for w in wants):
+            x = draw_inputs(row, "cuda")
+            g_cumsum, A = forward_for_backward(x, backend)
+            yield row, x, backward_call(x, g_cumsum, A, backend)
