@@ -76,8 +76,12 @@ run, see below). One change shipped:
   waited for by that pass's stores, had left ~8 KB in flight per SM. The stage went 0.282 -> 0.231 ms on hk16_hv32
   32k and 0.083 -> 0.069 on 8k, timed in turns inside the bench's own call (`scripts/kernel_replay_ab.py`), with the
   same gradients bit for bit. It now moves ~2.9 TB/s.
-- Variants measured and not taken: five CTAs per SM with the column factors re-read from shared memory (32k -3%,
-  8k +5%); A loads issued before the products (13% slower).
+- ncu on it (32k_8seq): DRAM 62% of peak, 4 CTAs of 4 warps per SM (registers and the 168 KB carveout both allow
+  4), 56% of scheduler cycles with no eligible warp.
+- Variants measured and not taken:
+  - five CTAs per SM with the column factors re-read from shared memory: 32k -3%, 8k +5%;
+  - A loads issued before the products: 13% slower;
+  - A by TMA, one head at a time, the next under the current head's passes: 32k within 1%, 8k +7%.
 - Validation: gpu_validate 293 passed, memcheck 0 errors, racecheck 0 hazards; 3 x 1,000 graph replays clean.
 - Rows (`h200.jsonl`, the first two-pass run at this build; a second two-pass run and two backward-only runs in
   `experiments/*prepare_read*`):
