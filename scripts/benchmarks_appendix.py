@@ -98,6 +98,10 @@ run, see below). One change shipped:
     needs a whole SM).
   - The longest sequence's dh chains in a launch of their own at BV 32 (`dh_long_chains_split_attempt_h200.md`). Its
     chain halved, but the stage is bound by one BV-64 CTA per SM: 32k_8seq 2.725 -> 2.813 ms.
+- Also measured, not taken: the save build at BV 64 capped to 80 registers (`annotate_min_blocks_per_sm(2)`, 12
+  bytes spilled), so that two CTAs share an SM instead of one (98 x 384 threads fit once). It was 6% slower alone on
+  hk16_hv32 32k_8seq (0.509 -> 0.540 ms): the chains on unequal batches move ~3 TB/s, near DRAM rather than
+  occupancy bound.
 - What 32k_8seq needs: its chains run one latency-bound BV-64 CTA per SM (dh: 173 KB, 136 registers over 384
   threads; ~2.7 us a chunk step), 0.23 + 0.50 + 0.67 ms before a 1.37 ms chunk stage. Two chain CTAs per SM, or a
   chain step with one dependent product instead of three, is a rewrite of gdn_bwd_dh.
