@@ -102,9 +102,12 @@ run, see below). One change shipped:
   bytes spilled), so that two CTAs share an SM instead of one (98 x 384 threads fit once). It was 6% slower alone on
   hk16_hv32 32k_8seq (0.509 -> 0.540 ms): the chains on unequal batches move ~3 TB/s, near DRAM rather than
   occupancy bound.
-- What 32k_8seq needs: its chains run one latency-bound BV-64 CTA per SM (dh: 173 KB, 136 registers over 384
-  threads; ~2.7 us a chunk step), 0.23 + 0.50 + 0.67 ms before a 1.37 ms chunk stage. Two chain CTAs per SM, or a
-  chain step with one dependent product instead of three, is a rewrite of gdn_bwd_dh.
+- What 32k_8seq needs: prepare 0.23 ms, the save build 0.50 and the dh chain 0.67 (one after the other: each fills
+  the SMs), then the chunk stage 1.37. Counting unique bytes only, the two chains move ~1.6 GB and ~1.9 GB (per
+  (chunk, head): a 32 KB state, and W / Vnew or X / dV), i.e. ~3 TB/s. The chunk stage reads ~2.7 GB at ~2 TB/s and
+  is bound by its epilogue and its shared-memory traffic. Closing the last 2% takes fewer bytes through the chains,
+  for example not materialising W / Vnew / X per chunk (FlashQLA's fused backward recomputes within its kernel).
+  That is a redesign of the backward's stage split.
 
 Session of 2026-11-22, eleventh (backward; H200 graph medians; `bench/results/experiments/gdn_bwd_chunk_persistent_h200.md`):
 geomean x FlashQLA 1.06 -> 1.10 (min 0.92 -> 0.97; 6/8 rows at or above it), x best peer 1.01 -> 1.05 (min 0.83 ->
