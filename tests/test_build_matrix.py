@@ -40,7 +40,7 @@ def test_changed_kernel_source_fails_check(tmp_path):
     r = _check_after_edit(tmp_path, "gdn_fwd.py")
     assert r.returncode == 1
     assert "gdn_fwd.bf16.K128.V128.BV64.modesave: stale" in r.stdout
-    assert "gdn_prepare.bf16.K128.Asolve" not in r.stdout  # other kernels stay current
+    assert "gdn_prepare." not in r.stdout  # other kernels stay current
 
 
 def test_changed_shared_helper_makes_its_importers_stale(tmp_path):

@@ -95,8 +95,9 @@ def build(dtype: str, K: int, A: str = "solve"):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
         with T.Kernel(T.ceildiv(NT, C) + N, Hv // hpc, threads=THREADS) as (bc, hg):
-            # four CTAs per SM (shared memory allows four; six reading A): at most 128 registers per thread. Five
-            # reading A (102 registers) spilled and ran 2-6% slower than four (H200, scripts/kernel_replay_ab.py)
+            # four CTAs per SM (shared memory allows four; reading A, 35 KB, up to six with the whole carveout): at
+            # most 128 registers per thread. Five reading A (102 registers) spilled and ran 2-6% slower than four
+            # (H200, scripts/kernel_replay_ab.py)
             T.annotate_min_blocks_per_sm(4)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
