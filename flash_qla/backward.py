@@ -23,7 +23,7 @@ import torch
 
 from . import ops
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
-from .validation import Problem
+from .validation import Problem, validate_inputs
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
@@ -141,6 +141,18 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
         dh0 = ops.per_sequence(dh0, seg.base[:N], seg, dht_c)
     return dv, x, dhs, dh0
+
+
+def chunk_stage_inputs(q, k, v, g, beta, initial_state, cu_seqlens, do, dht):
+    """(problem, saved, (dO packed, X, dV, dS')): the recompute and the dh chain in order on the current stream,
+    i.e. everything gdn_bwd_chunk reads (for the tests and experiments that check or time that stage alone)."""
+    problem = validate_inputs(q, k, v, g, beta, None, initial_state, cu_seqlens)
+    saved: dict = {}
+    ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, False, want_gate_free_inverse=True,
+                saved=saved)
+    do_p = ops._packed(do)
+    dv, x, dhs, _ = _reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
+    return problem, saved, (do_p, x, dv, dhs)
 
 
 def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):

@@ -137,7 +137,7 @@ def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
 
 
 def current_stream(device: torch.device) -> int:
-    """The caller's current CUDA stream as a raw handle (torch's public accessor costs ~10 us per call)."""
+    """The caller's current CUDA stream as a raw handle (torch.cuda.current_stream: 3.5 us per call, H200 host)."""
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
                                               torch.cuda.current_device())
 

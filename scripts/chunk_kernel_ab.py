@@ -16,7 +16,6 @@ import torch
 from flash_qla import backward, loader, ops
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
-from flash_qla.validation import validate_inputs
 
 
 class BuildKernel(loader.Kernel):
@@ -51,16 +50,9 @@ def use(kern) -> None:
 
 
 def chunk_stage_inputs(row):
-    """(problem, saved, (dO packed, X, dV, dS')) for a bench row: the recompute and the dh chain as the backward runs
-    them, i.e. everything gdn_bwd_chunk reads."""
+    """(problem, saved, (dO packed, X, dV, dS')) for a bench row: everything gdn_bwd_chunk reads."""
     x = draw_inputs(row, "cuda")
-    p = validate_inputs(x.q, x.k, x.v, x.g, x.beta, None, x.h0, x.cu_seqlens)
-    st = {}
-    ops.forward(p, x.q, x.k, x.v, x.g, x.beta, x.h0, False, x.cu_seqlens, False, want_gate_free_inverse=True,
-                saved=st)
-    do_p = ops._packed(x.do)
-    dv, xx, dhs, _ = backward._reverse_recurrence(p, st, do_p, x.dht.float().contiguous(), True)
-    return p, st, (do_p, xx, dv, dhs)
+    return backward.chunk_stage_inputs(x.q, x.k, x.v, x.g, x.beta, x.h0, x.cu_seqlens, x.do, x.dht)
 
 
 def rows_option(args: list, default: list) -> list:

@@ -192,14 +192,8 @@ def test_low_level_bwd_reads_the_forwards_inverse(segment_chunks, monkeypatch):
 def chunk_stage_inputs(x, do, dht):
     """(problem, saved, (dO packed, X, dV, dS')): what gdn_bwd_chunk reads, from the recompute and the dh chain."""
     from flash_qla import backward
-    from flash_qla.validation import validate_inputs
-    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
-    saved = {}
-    ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], False, x["cu_seqlens"],
-                False, want_gate_free_inverse=True, saved=saved)
-    do_p = ops._packed(do)
-    dv, xx, dhs, _ = backward._reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
-    return problem, saved, (do_p, xx, dv, dhs)
+    return backward.chunk_stage_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"],
+                                       x["cu_seqlens"], do, dht)
 
 
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 256), (128, 64)])
