@@ -8,8 +8,8 @@ state-dependent chain remains, with S (K x BV, fp32) in registers:
     Vnew = Agb W                                      (one C x C x BV product)
     S    = eg_last S + K^T diag(et) Vnew
 (The output pass, O = scale * diag(eg) Q S + P Vnew, is gdn_fwd_st's: the same chain on S^T in registers.)
-Every tile (k, v, Agb, eg, et) arrives by TMA in a 2-stage software pipeline (TileLang warp-
-specialises the loop: a producer warpgroup prefetches chunk c+1 while the consumers compute chunk c).
+Every tile (k, v, Agb, eg, et) arrives by TMA in a 2- or 3-stage software pipeline (TileLang warp-
+specialises the loop: a producer warp prefetches chunks ahead while the consumers compute chunk c).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; their
 outputs are not stored. eg_last is the last valid row's.
 Builds (the mode axis): save, the backward's recompute pass: stores, exactly as the chain used them
@@ -29,7 +29,11 @@ VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV"
 VARIANT_RULE = "BV <= V"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
-STAGES = 2
+# input stages by V block. BV = 64 (one CTA per SM: 98 registers x 384 threads) takes three: 141 KB, 3.5% faster
+# alone on hk16_hv32 32k_8seq (0.512 -> 0.493 ms; four: 0.488, 174 KB). BV = 32 keeps two: 79 KB, so that two CTAs,
+# or one beside gdn_bwd_dh's BV = 32 chain (136 KB), share an SM (three stages, 109 KB: 3% slower alone, and no
+# longer beside that chain). H200, scripts/kernel_replay_ab.py
+STAGES = {32: 2, 64: 3}
 # the whole shared-memory carveout: this save build shares its SMs with gdn_bwd_dh's chain (why: gdn_bwd_dh.py)
 SHARED_CARVEOUT = 100
 # Every barrier of the chain is written out below: three per chunk (each names the tiles it publishes), where
@@ -103,7 +107,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 T.copy(h0[n, h, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
-            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES):
+            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES[BV]):
                 t0 = bos + c * C
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
