@@ -34,6 +34,10 @@ THREADS = 256
 # or one beside gdn_bwd_dh's BV = 32 chain (136 KB), share an SM (three stages, 109 KB: 3% slower alone, and no
 # longer beside that chain). H200, scripts/kernel_replay_ab.py
 STAGES = {32: 2, 64: 3}
+# W / Vnew tile buffers by V block. At BV = 64 two, by chunk parity: a chunk's stores may still read one buffer while
+# the next chunk fills the other, so the chunk's one store wait sits a whole chunk after those stores. BV = 32 keeps
+# one (8 KB of shared memory: this CTA and gdn_bwd_dh's BV = 32 chain must fit one SM together).
+WBUFS = {32: 1, 64: 2}
 # the whole shared-memory carveout: this save build shares its SMs with gdn_bwd_dh's chain (why: gdn_bwd_dh.py)
 SHARED_CARVEOUT = 100
 # Every barrier of the chain is written out below: three per chunk (each names the tiles it publishes), where
@@ -78,8 +82,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
             v_s = T.alloc_shared((C, BV), dt)
             agb_s = T.alloc_shared((C, C), dt)
             s_s = T.alloc_shared((K, BV), dt)
-            w_s = T.alloc_shared((C, BV), dt)
-            vn_s = T.alloc_shared((C, BV), dt)
+            w_s = T.alloc_shared((WBUFS[BV], C, BV), dt)
+            vn_s = T.alloc_shared((WBUFS[BV], C, BV), dt)
             vd_s = T.alloc_shared((C, BV), dt)
             eg_s = T.alloc_shared((C,), "float32")
             et_s = T.alloc_shared((C,), "float32")
@@ -109,6 +113,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 T.clear(S)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES[BV]):
                 t0 = bos + c * C
+                par = c % WBUFS[BV]
                 T.copy(k[t0:t0 + C, hk, :], k_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
@@ -118,46 +123,56 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                 # s_s is free: the previous chunk's hs store finished reading it before that chunk's W barrier
                 T.copy(S, s_s)
                 T.fence_proxy_async()
-                # the previous chunk's W and Vnew stores (issued by this thread) have read w_s / vn_s, which are
-                # rewritten after the barrier below
-                T.tma_store_wait()
+                if WBUFS[BV] == 1:
+                    # the previous chunk's W and Vnew stores (issued by this thread) have read w_s / vn_s, which are
+                    # rewritten after the barrier below
+                    T.tma_store_wait()
                 T.sync_threads(CHAIN_BARRIER, THREADS)  # s_s published
                 T.tma_copy(s_s, hs[c0 + c, h, :, v0:v0 + BV])
                 T.gemm(k_s, s_s, ks, clear_accum=True)
-                # w_s's last readers: the previous chunk's Agb W product (done before its Vnew barrier) and W store
+                # w_s[par]'s last readers: the Agb W product of chunk c - WBUFS (done before its Vnew barrier) and
+                # its W store (waited for before this chunk's first barrier with one buffer, the previous chunk's
+                # last with two)
                 for i, d in T.Parallel(C, BV):
-                    w_s[i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
+                    w_s[par, i, d] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * ks[i, d], dt)
                 T.fence_proxy_async()
-                T.tma_store_wait()  # this chunk's hs store has read s_s, which the next chunk rewrites
-                T.sync_threads(CHAIN_BARRIER, THREADS)  # w_s published
-                T.gemm(agb_s, w_s, vn, clear_accum=True)
+                if WBUFS[BV] == 1:
+                    T.tma_store_wait()  # this chunk's hs store has read s_s, which the next chunk rewrites
+                T.sync_threads(CHAIN_BARRIER, THREADS)  # w_s[par] published
+                T.gemm(agb_s, w_s[par, :, :], vn, clear_accum=True)
                 # the recompute stores what the chain used; vd_s's last reader, the previous chunk's state update,
-                # was waited for before the first barrier, vn_s's (its store) too
+                # was waited for before the first barrier; vn_s[par]'s (its store) as w_s[par]'s
                 for i, d in T.Parallel(C, BV):
-                    vn_s[i, d] = T.cast(vn[i, d], dt)
+                    vn_s[par, i, d] = T.cast(vn[i, d], dt)
                     vd_s[i, d] = T.cast(vn[i, d] * et_s[i], dt)
                 for kk, d in T.Parallel(K, BV):
                     S[kk, d] = S[kk, d] * eg_s[valid - 1]
                 T.fence_proxy_async()
-                T.sync_threads(CHAIN_BARRIER, THREADS)  # vn_s, vd_s published
+                if WBUFS[BV] == 2:
+                    # the chunk's one store wait (the issuing thread's): this chunk's hs store (issued after its
+                    # first barrier) and the previous chunk's W and Vnew stores have read s_s, w_s[1 - par] and
+                    # vn_s[1 - par], which the next chunk rewrites before its first, second and third barriers.
+                    # Here, a chunk's work lies between each store and its wait
+                    T.tma_store_wait()
+                T.sync_threads(CHAIN_BARRIER, THREADS)  # vn_s[par], vd_s published
                 T.wgmma_gemm(k_s, vd_s, S, transpose_A=True)
                 # W and Vnew go out while the state update runs: stored before its fence, they held it (the fence
                 # waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu on gdn_bwd_dh). A whole chunk by
                 # TMA; a sequence's partial last chunk by its valid rows (the rows past it are the next sequence's)
                 if valid == C:
-                    T.tma_copy(w_s, w[t0:t0 + C, h, v0:v0 + BV])
-                    T.tma_copy(vn_s, vnew[t0:t0 + C, h, v0:v0 + BV])
+                    T.tma_copy(w_s[par, :, :], w[t0:t0 + C, h, v0:v0 + BV])
+                    T.tma_copy(vn_s[par, :, :], vnew[t0:t0 + C, h, v0:v0 + BV])
                 for i, d in T.Parallel(C, BV):
                     if i < valid and valid < C:
-                        w[t0 + i, h, v0 + d] = w_s[i, d]
-                        vnew[t0 + i, h, v0 + d] = vn_s[i, d]
+                        w[t0 + i, h, v0 + d] = w_s[par, i, d]
+                        vnew[t0 + i, h, v0 + d] = vn_s[par, i, d]
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(S, num_regs=K * BV // THREADS)
                 # TileLang hands a pipeline stage back to the producer after the last statement that names its
                 # tiles, unaware that the product above is asynchronous: this never-taken read names k after the
                 # wait, so the producer cannot refill it while the product still reads it
                 if valid < 0:
-                    w_s[0, 0] = k_s[0, 0]
+                    w_s[par, 0, 0] = k_s[0, 0]
             T.tma_store_wait()  # the last chunk's stores have read their tiles before the CTA exits
             if store_ht != 0:
                 T.copy(S, ht[n, h, :, v0:v0 + BV])
