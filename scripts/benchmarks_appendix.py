@@ -67,7 +67,35 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-22, twelfth; backward; H200 graph medians): geomean x FlashQLA 1.10 -> 1.11 (min 0.97 ->
+Latest sessions (2026-11-25, thirteenth and fourteenth; backward). `h200.jsonl` is unchanged: no H200 was lent in
+the fourteenth session, so its timings are from an H100, where FlashQLA was re-timed in the same session.
+- Shipped: gdn_fwd's save build at BV = 64 takes three input stages (141 KB; it already ran one CTA per SM). Alone on
+  hk16_hv32 32k_8seq (H200, `scripts/kernel_replay_ab.py`): 0.512 -> 0.493 ms (four stages 0.488, 174 KB). BV = 32
+  keeps two: three were 3% slower alone (0.531 -> 0.548) and no longer fit beside gdn_bwd_dh's BV = 32 chain. In the
+  whole backward the gain was within run-to-run spread (32k_8seq 2.754 -> 2.768 in one bench, 2.751 in a timeline).
+- Shipped: the same build keeps its W / Vnew tiles in two buffers by chunk parity, with one TMA-store wait per chunk
+  before its last barrier, a whole chunk after the stores it covers. Alone on the H100: 32k_8seq 0.6518 -> 0.6431 ms,
+  8k_8seq 0.1813 -> 0.1797, same gradients bit for bit (`experiments/save_store_buffers_ab_h100.jsonl`).
+- Measured, not taken:
+  - gdn_bwd_dh making P from its own q / k tiles (`experiments/dh_chain_makes_p_h200.md`): prepare 0.231 -> 0.157 ms,
+    but the dh chain 0.67 -> 0.92, and every row slower.
+  - P alone in a second gdn_prepare launch beside the save build (same record): its small CTAs fill the SMs first;
+    32k_8seq 2.754 -> 2.791 and the CP rows much slower.
+  - Per-warpgroup named barriers in both chains (timing-only build): dh 0.6746 -> 0.6753 ms, save 0.506 -> 0.511.
+  - gdn_bwd_dh at BV = 64 with three stages (231 KB): 0.6604 -> 0.6599 ms.
+  - gdn_bwd_dh's X / dV tiles in two buffers by parity, as in the save build (`experiments/dh_store_buffers_by_parity_attempt.diff`):
+    0.7301 -> 0.7317 ms (H100). Timing-only builds that skip stores show what the chain's stores cost: without the dV
+    store 0.741 -> 0.695 ms on 32k_8seq, without X and dV 0.663 (H100), nothing on the BV = 32 single-sequence rows.
+    The cost is the bytes (on the H100 the chain moves ~2.6 TB/s of unique bytes, of a 3.35 TB/s peak), not the wait. dV is a gradient the backward
+    returns and the chain already computes it, so only a fused design that keeps X in the kernel saves those bytes.
+- Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session): backward
+  geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
+  (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
+  is further behind on the H100 than on the H200, which fits a stage split that moves more bytes.
+- Validation on the H100 at the final kernels: 293 GPU tests passed, memcheck 0 errors, racecheck 0 hazards, and
+  2 x 1,000 graph replays with no gradient mismatch (`gpu_validate_h100.log`, `stress_backward_h100.log`).
+
+Session of 2026-11-22, twelfth (backward; H200 graph medians): geomean x FlashQLA 1.10 -> 1.11 (min 0.97 ->
 0.98), x best peer 1.05 -> 1.06 (min 0.85 -> 0.83: hk16_hv32 32k_1seq's graph median in `h200.jsonl` is a power-cap
 run, see below). One change shipped:
 - gdn_prepare has an `A` axis (solve / read). The read builds run in the backward when the caller passes the
