@@ -86,8 +86,13 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
   - gdn_bwd_dh's X / dV tiles in two buffers by parity, as in the save build (`experiments/dh_store_buffers_by_parity_attempt.diff`):
     0.7301 -> 0.7317 ms (H100). Timing-only builds that skip stores show what the chain's stores cost: without the dV
     store 0.741 -> 0.695 ms on 32k_8seq, without X and dV 0.663 (H100), nothing on the BV = 32 single-sequence rows.
-    The cost is the bytes (on the H100 the chain moves ~2.6 TB/s of unique bytes, of a 3.35 TB/s peak), not the wait. dV is a gradient the backward
-    returns and the chain already computes it, so only a fused design that keeps X in the kernel saves those bytes.
+    The cost is the bytes (on the H100 the chain moves ~2.6 TB/s of unique bytes, of a 3.35 TB/s peak), not the wait.
+    dV is a gradient the backward returns, and the chain already computes it, so only a fused design that keeps X in
+    the kernel saves those bytes.
+  - The save build without its W store (timing-only, H100): 0.631 -> 0.521 ms on 32k_8seq, and without W and Vnew
+    0.458 (`experiments/chain_store_cost_h100.md`). Only gdn_bwd_chunk reads W. Recomputing it there costs a product,
+    a pass and a barrier per V block, or an accumulator and a 16 KB tile that do not fit the kernel. Either was
+    estimated to cost about what the save build would gain, so W stays materialised until the fused design.
 - Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session): backward
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
