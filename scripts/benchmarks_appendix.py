@@ -93,6 +93,7 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
     0.458 (`experiments/chain_store_cost_h100.md`). Only gdn_bwd_chunk reads W. Recomputing it there costs a product,
     a pass and a barrier per V block, or an accumulator and a 16 KB tile that do not fit the kernel. Either was
     estimated to cost about what the save build would gain, so W stays materialised until the fused design.
+- The plan for that design, with the bytes per stage and the measured store costs: `docs/backward_fused_plan.md`.
 - Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session): backward
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
