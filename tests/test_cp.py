@@ -28,6 +28,24 @@ def test_planner(tokens, n, hv, want_cp):
         assert L in cp.SEGMENT_CHUNKS and L < tokens // CHUNK
 
 
+@pytest.mark.parametrize("tokens,n,hv,want_cp", [
+    # 2B-TP1 28672+4096 and 16384+16384 (the host sees only tokens and sequence count): the device time (CP graphs
+    # 0.48 / 0.47 ms) hides CP's host work; their plain eager calls took 1.05 / 0.61 ms (H200)
+    (32768, 2, 16, True),
+    (32768, 1, 8, True),      # TP8 1x32768
+    (8192, 1, 8, False),      # TP8 1x8192: CP eager is host-bound (0.43 ms) above the plain path's 0.34
+    (8192, 1, 16, False),     # 2B-TP1 1x8192
+])
+def test_eager_planner(tokens, n, hv, want_cp):
+    """An eager call takes about the longer of its device and host time, so CP is planned eagerly only where the
+    device time it saves outweighs CP's host work; then with the least device time among the L that host time hides."""
+    eager = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, BLOCKS, capturing=False)
+    graph = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, BLOCKS)
+    assert (eager is not None) == want_cp
+    if want_cp:
+        assert eager == graph
+
+
 @pytest.mark.parametrize("tokens,n,hv,want", [
     # H200, the save chain beside the dh chain (bench/results/experiments/cp_backward_sweep_beside_h200.jsonl): the
     # measured-best L of each shape

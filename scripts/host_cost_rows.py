@@ -1,0 +1,66 @@
+"""Host time of one call of the bench's forward / backward rows, and where it goes (GPU machine; JSON lines).
+
+For each selected row, it measures the wall time of CALLS calls issued back to back, with the device drained
+before them and not waited for inside the loop. That is few enough launches that the launch queue never blocks,
+so the figure is the host's cost per call. It then prints a cProfile of the same loop (top functions by own time),
+which shows where that cost goes.
+usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profile]
+"""
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+import torch
+
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.bench.workloads import backward_call, forward_call, forward_for_backward
+
+
+def host_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    args = sys.argv[1:]
+    calls = int(args[args.index("--calls") + 1]) if "--calls" in args else 20
+    profile = "--profile" in args
+    wants = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--calls")]
+    for row in iter_rows(load_matrix(), ("fwd", "bwd"), ""):
+        if not any(w in row.key for w in wants):
+            continue
+        x = draw_inputs(row, "cuda")
+        if row.pass_ == "fwd":
+            fn = forward_call(x, "kernels")
+        else:
+            g_cumsum, A = forward_for_backward(x, "kernels")
+            fn = backward_call(x, g_cumsum, A, "kernels")
+        for _ in range(5):
+            fn()
+        samples = sorted(host_us(fn, calls) for _ in range(7))
+        print(json.dumps({"row": row.key, "host_us_median": round(samples[3], 1), "host_us_min": round(samples[0], 1),
+                          "calls": calls}), flush=True)
+        if profile:
+            torch.cuda.synchronize()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(calls):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+            print(s.getvalue()[:5000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
