@@ -94,6 +94,17 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
     a pass and a barrier per V block, or an accumulator and a 16 KB tile that do not fit the kernel. Either was
     estimated to cost about what the save build would gain, so W stays materialised until the fused design.
 - The plan for that design, with the bytes per stage and the measured store costs: `docs/backward_fused_plan.md`.
+- Shipped (eager calls): the CP planner's eager model. An eager call takes about the longer of its device time and
+  its host time, not their sum. The plan now compares max(device, host) for the plain path and for each segment
+  length, and breaks ties on device time. The backward's host time is scaled 2.5x. Graph plans are unchanged. Before,
+  CP lost every eager plan where a graph takes it, and 2B-TP1 28672+4096 ran the plain path eagerly. Timed in turns
+  on one H100 (`experiments/eager_cp_plan_h100.jsonl`, `scripts/eager_plan_ab.py`):
+  - 2B-TP1 28672+4096: 1.045 -> 0.586 ms;
+  - 2B-TP1 16384+16384: 0.600 -> 0.584;
+  - TP8 / TP2 1x8192 keep the plain path (CP would be host-bound there at 0.40+ ms).
+  The host cost per call (`scripts/host_cost_rows.py`, that H100's host) is 0.13-0.15 ms for a plain forward, 0.32-0.36
+  with CP, and 0.41-0.49 ms for a plain backward. Allocations are ~40% of the backward's torch-side host time (17
+  `torch.empty` a call at ~6.5 us each).
 - Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session): backward
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
