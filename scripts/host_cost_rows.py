@@ -11,23 +11,13 @@ import io
 import json
 import pstats
 import sys
-import time
 
 import torch
 
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import iter_rows, load_matrix
+from flash_qla.bench.timing import host_us_per_call
 from flash_qla.bench.workloads import backward_call, forward_call, forward_for_backward
-
-
-def host_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main():
@@ -46,7 +36,7 @@ def main():
             fn = backward_call(x, g_cumsum, A, "kernels")
         for _ in range(5):
             fn()
-        samples = sorted(host_us(fn, calls) for _ in range(7))
+        samples = sorted(host_us_per_call(fn, torch.device("cuda"), calls) for _ in range(7))
         print(json.dumps({"row": row.key, "host_us_median": round(samples[3], 1), "host_us_min": round(samples[0], 1),
                           "calls": calls}), flush=True)
         if profile:

@@ -1,12 +1,12 @@
 """Host-side cost of one forward call (GPU idle, no sync inside the loop), split by stage, in microseconds."""
 import json
 import sys
-import time
 
 import torch
 
 import flash_qla
 from flash_qla import ops
+from flash_qla.bench.timing import host_us_per_call
 from flash_qla.validation import validate_inputs
 
 T, hq, hv = 2048, 2, 8
@@ -23,13 +23,7 @@ p = validate_inputs(q, k, v, g, beta, None, h0, cu)
 def per_call_us(fn, n=300):
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return round(host, 1)
+    return round(host_us_per_call(fn, torch.device("cuda"), n), 1)
 
 
 out = {

@@ -50,6 +50,18 @@ def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Host wall time of one call in microseconds: calls calls issued back to back from a drained device and not
+    waited for (keep calls x launches below the launch queue's depth, or the figure counts the device's time)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    synchronize(device)
+    return host
+
+
 def eager_median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     """Median time of one eager call in milliseconds, host launch overhead included."""
     for _ in range(warmup):
