@@ -109,6 +109,10 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
   is further behind on the H100 than on the H200, which fits a stage split that moves more bytes.
+  A second pair was timed on another H100 at the session's final build (`experiments/h100_run2_*`). Graph geomeans
+  were 1.12x backward (min 0.97) and 1.27x forward, with the same three rows below. Eager geomeans were 1.25x backward
+  and 1.30x forward. On run 1's machine they had been 0.99x and 1.07x: that machine's host was about twice as slow
+  (backward host time 0.41-0.60 ms a call against ~0.3).
 - Validation on the H100 at the final kernels: 293 GPU tests passed, memcheck 0 errors, racecheck 0 hazards, and
   2 x 1,000 graph replays with no gradient mismatch (`gpu_validate_h100.log`, `stress_backward_h100.log`).
 
