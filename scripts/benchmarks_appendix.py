@@ -112,7 +112,7 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
   A second pair was timed on another H100 at the session's final build (`experiments/h100_run2_*`). Graph geomeans
   were 1.12x backward (min 0.97) and 1.27x forward, with the same three rows below. Eager geomeans were 1.25x backward
   and 1.30x forward. On run 1's machine they had been 0.99x and 1.07x: that machine's host was about twice as slow
-  (backward host time 0.41-0.60 ms a call against ~0.3).
+  (a plain backward's host time there was 0.41-0.60 ms a call; on run 2's machine hk4_hv8 8k_8seq took 0.284 ms eagerly, host time included).
 - Validation on the H100 at the final kernels: 293 GPU tests passed, memcheck 0 errors, racecheck 0 hazards, and
   2 x 1,000 graph replays with no gradient mismatch (`gpu_validate_h100.log`, `stress_backward_h100.log`).
 
