@@ -47,8 +47,9 @@ LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan
 # An eager call's host work, which a CUDA graph replay does not pay: the plain path's (PLAIN_HOST_COST, ~0.11 ms of
 # a forward on the H200 host) and CP's on top of it (EAGER_HOST_COST, ~0.3 ms more). The host issues a call's launches
 # while the device runs the earlier ones, so an eager call takes about the longer of the two, not their sum: the plan
-# compares max(device time, host time) for each path. (Summed, CP lost every eager plan where a graph takes it:
-# 2B-TP1 28672+4096 ran the plain path eagerly at 1.05 ms against the CP graph's 0.48, H200.) H200, standard matrix:
+# compares max(device time, host time) for each path. (Summed, CP lost the eager plans where its device-time gain was
+# below its host work even though the device time hides that work: 2B-TP1 28672+4096 and 16384+16384 ran the plain
+# path eagerly, the first at 1.05 ms against the CP graph's 0.48, H200.) H200, standard matrix:
 # TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344, so the plain path stays there.
 EAGER_HOST_COST = 120.0
 PLAIN_HOST_COST = 44.0
@@ -72,9 +73,9 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
     time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
     pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
-    warm-ups of the others being a few chunks; the serial combine; the extra launches, and in an eager call
-    (capturing False) the longer of each path's device and host time). chain_costs: the per-chunk cost by V block of the chain kernel that
-    runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
+    warm-ups of the others being a few chunks; the serial combine; the extra launches), and in an eager call
+    (capturing False) the longer of each path's device and host time. chain_costs: the per-chunk cost by V block of
+    the chain kernel that runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
     CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
     paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM); pre_passes: pre-pass
     builds per segment (the backward's: BACKWARD_PLAN); host_scale: the path's host time relative to the forward's

@@ -97,7 +97,8 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
 - Shipped (eager calls): the CP planner's eager model. An eager call takes about the longer of its device time and
   its host time, not their sum. The plan now compares max(device, host) for the plain path and for each segment
   length, and breaks ties on device time. The backward's host time is scaled 2.5x. Graph plans are unchanged. Before,
-  CP lost every eager plan where a graph takes it, and 2B-TP1 28672+4096 ran the plain path eagerly. Timed in turns
+  CP lost the eager plans where its device-time gain was below its host work, though the device time hides that
+  work: 2B-TP1 28672+4096 and 16384+16384 ran the plain path eagerly. Timed in turns
   on one H100 (`experiments/eager_cp_plan_h100.jsonl`, `scripts/eager_plan_ab.py`):
   - 2B-TP1 28672+4096: 1.045 -> 0.586 ms;
   - 2B-TP1 16384+16384: 0.600 -> 0.584;

@@ -8,16 +8,15 @@ usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profi
 """
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import sys
 
 import torch
 
-from flash_qla.bench.inputs import draw_inputs
-from flash_qla.bench.matrix import iter_rows, load_matrix
 from flash_qla.bench.timing import host_us_per_call
-from flash_qla.bench.workloads import backward_call, forward_call, forward_for_backward
+from flash_qla.bench.workloads import backward_rows, forward_rows
 
 
 def main():
@@ -25,15 +24,7 @@ def main():
     calls = int(args[args.index("--calls") + 1]) if "--calls" in args else 20
     profile = "--profile" in args
     wants = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--calls")]
-    for row in iter_rows(load_matrix(), ("fwd", "bwd"), ""):
-        if not any(w in row.key for w in wants):
-            continue
-        x = draw_inputs(row, "cuda")
-        if row.pass_ == "fwd":
-            fn = forward_call(x, "kernels")
-        else:
-            g_cumsum, A = forward_for_backward(x, "kernels")
-            fn = backward_call(x, g_cumsum, A, "kernels")
+    for row, _, fn in itertools.chain(forward_rows(wants), backward_rows(wants)):
         for _ in range(5):
             fn()
         samples = sorted(host_us_per_call(fn, torch.device("cuda"), calls) for _ in range(7))

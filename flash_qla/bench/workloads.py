@@ -43,6 +43,15 @@ def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backe
     return run
 
 
+def forward_rows(wants: Sequence[str], backend: str = "kernels") -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
+    """(row, inputs, the timed forward call) for each forward row of the standard matrix whose key contains one of
+    wants (the experiment scripts' row selection)."""
+    for row in iter_rows(load_matrix(), ("fwd",), ""):
+        if any(w in row.key for w in wants):
+            x = draw_inputs(row, "cuda")
+            yield row, x, forward_call(x, backend)
+
+
 def backward_rows(wants: Sequence[str], backend: str = "kernels") -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
     """(row, inputs, the timed backward call) for each backward row of the standard matrix whose key contains one
     of wants (the experiment scripts' row selection), with the forward it consumes already run."""
