@@ -69,13 +69,17 @@ experiment records are in `bench/results/experiments/`):
 
 Latest sessions (2026-11-25, thirteenth and fourteenth; backward). `h200.jsonl` is unchanged: no H200 was lent in
 the fourteenth session, so its timings are from an H100, where FlashQLA was re-timed in the same session.
-- Shipped: gdn_fwd's save build at BV = 64 takes three input stages (141 KB; it already ran one CTA per SM). Alone on
-  hk16_hv32 32k_8seq (H200, `scripts/kernel_replay_ab.py`): 0.512 -> 0.493 ms (four stages 0.488, 174 KB). BV = 32
-  keeps two: three were 3% slower alone (0.531 -> 0.548) and no longer fit beside gdn_bwd_dh's BV = 32 chain. In the
-  whole backward the gain was within run-to-run spread (32k_8seq 2.754 -> 2.768 in one bench, 2.751 in a timeline).
-- Shipped: the same build keeps its W / Vnew tiles in two buffers by chunk parity, with one TMA-store wait per chunk
-  before its last barrier, a whole chunk after the stores it covers. Alone on the H100: 32k_8seq 0.6518 -> 0.6431 ms,
-  8k_8seq 0.1813 -> 0.1797, same gradients bit for bit (`experiments/save_store_buffers_ab_h100.jsonl`).
+- Shipped: gdn_fwd's save build at BV = 64 takes three input stages (141 KB; it already ran one CTA per SM), and keeps
+  its W / Vnew tiles in two buffers by chunk parity, with one TMA-store wait per chunk before its last barrier, a
+  whole chunk after the stores it covers. Same gradients bit for bit. Against the two-stage, one-buffer build, timed
+  alone in turns on one H100 (`experiments/save_stages_ab_h100.jsonl`, `save_store_buffers_ab_h100.jsonl`):
+  - hk16_hv32 32k_1seq 0.922 -> 0.869 ms;
+  - 8k_8seq 0.180-0.183 -> 0.178-0.180;
+  - 32k_8seq 0.627-0.635 -> 0.635-0.643 (1-1.5% slower; three stages without the second buffer: 0.643-0.651).
+  The thirteenth session timed three stages on the H200 (32k_8seq 0.512 -> 0.493 ms alone; the whole backward
+  2.754 -> 2.768, within its spread). Those records were lost with that session, so nothing here backs them, and
+  the H100 disagrees on that row. BV = 32 keeps two stages and one buffer: it must fit one SM beside gdn_bwd_dh's
+  BV = 32 chain.
 - Measured, not taken:
   - gdn_bwd_dh making P from its own q / k tiles (`experiments/dh_chain_makes_p_h200.md`): prepare 0.231 -> 0.157 ms,
     but the dh chain 0.67 -> 0.92, and every row slower.

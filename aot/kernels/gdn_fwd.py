@@ -29,10 +29,11 @@ VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV"
 VARIANT_RULE = "BV <= V"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
-# input stages by V block. BV = 64 (one CTA per SM: 98 registers x 384 threads) takes three: 141 KB, 3.5% faster
-# alone on hk16_hv32 32k_8seq (0.512 -> 0.493 ms; four: 0.488, 174 KB). BV = 32 keeps two: 79 KB, so that two CTAs,
-# or one beside gdn_bwd_dh's BV = 32 chain (136 KB), share an SM (three stages, 109 KB: 3% slower alone, and no
-# longer beside that chain). H200, scripts/kernel_replay_ab.py
+# input stages by V block. BV = 64 (one CTA per SM) takes three: with the two W / Vnew buffers below, alone on an H100
+# (scripts/kernel_replay_ab.py, bench/results/experiments/save_stages_ab_h100.jsonl) against two stages and one buffer:
+# hk16_hv32 32k_1seq 0.922 -> 0.869 ms, 8k_8seq 0.180 -> 0.178, but 32k_8seq 0.628 -> 0.635-0.643. (An H200 run in a
+# session whose records were lost gave 32k_8seq 0.512 -> 0.493 for three stages alone.) BV = 32 keeps two: 79 KB, so
+# that two CTAs, or one beside gdn_bwd_dh's BV = 32 chain (136 KB), share an SM.
 STAGES = {32: 2, 64: 3}
 # W / Vnew tile buffers by V block. At BV = 64 two, by chunk parity: a chunk's stores may still read one buffer while
 # the next chunk fills the other, so the chunk's one store wait sits a whole chunk after those stores. BV = 32 keeps
