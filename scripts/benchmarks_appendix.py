@@ -85,8 +85,9 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
     but the dh chain 0.67 -> 0.92, and every row slower.
   - P alone in a second gdn_prepare launch beside the save build (same record): its small CTAs fill the SMs first;
     32k_8seq 2.754 -> 2.791 and the CP rows much slower.
-  - Per-warpgroup named barriers in both chains (timing-only build): dh 0.6746 -> 0.6753 ms, save 0.506 -> 0.511.
-  - gdn_bwd_dh at BV = 64 with three stages (231 KB): 0.6604 -> 0.6599 ms.
+  - Per-warpgroup named barriers in both chains (timing-only build): dh 0.6746 -> 0.6753 ms, save 0.506 -> 0.511;
+    and gdn_bwd_dh at BV = 64 with three stages (231 KB): 0.6604 -> 0.6599 ms. Both H200, thirteenth session, whose
+    records were lost: the numbers are unbacked here.
   - gdn_bwd_dh's X / dV tiles in two buffers by parity, as in the save build (`experiments/dh_store_buffers_by_parity_attempt.diff`):
     0.7301 -> 0.7317 ms (H100). Timing-only builds that skip stores show what the chain's stores cost: without the dV
     store 0.741 -> 0.695 ms on 32k_8seq, without X and dV 0.663 (H100), nothing on the BV = 32 single-sequence rows.
@@ -110,7 +111,8 @@ the fourteenth session, so its timings are from an H100, where FlashQLA was re-t
   The host cost per call (`scripts/host_cost_rows.py`, that H100's host) is 0.13-0.15 ms for a plain forward, 0.32-0.36
   with CP, and 0.41-0.49 ms for a plain backward. Allocations are ~40% of the backward's torch-side host time (17
   `torch.empty` a call at ~6.5 us each).
-- Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session): backward
+- Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session; ratios taken
+  row by row between the two files, since compare.py carries only H200 anchors): backward
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
   is further behind on the H100 than on the H200, which fits a stage split that moves more bytes.
