@@ -5,7 +5,8 @@ CUDA-event timings) from each cubin given, in turns, so every build sees the sam
 usage: python scripts/chunk_kernel_ab.py KEY NAME=CUBIN:SMEM [NAME=CUBIN:SMEM ...] [--rows SUB[,SUB...]]
 (KEY: the variant the cubins replace, e.g. gdn_bwd_chunk.bf16.K128.V128, whose manifest entry's launch rules and
 tensor maps every build must share; cubins from scripts/compile_variant.py, which prints each build's SMEM;
-NAME=manifest times the built kernel)
+NAME=manifest times the built kernel; NAME=dir:PATH the build in another kernel directory, e.g. a copy of the
+committed flash_qla/_kernels/sm90a, whose manifest entry may differ in parameters and tensor maps)
 """
 import json
 import statistics
@@ -35,6 +36,9 @@ def kernels(key, specs):
         name, _, rest = spec.partition("=")
         if rest == "manifest":
             out[name] = base
+            continue
+        if rest.startswith("dir:"):  # another kernel directory's build, with its own manifest entry (launch rules)
+            out[name] = loader.KernelLibrary(rest[4:]).kernel_by_key(key)
             continue
         path, _, smem = rest.rpartition(":")
         k = BuildKernel(lib, base.entry)

@@ -14,9 +14,12 @@ valid causal pairs and row outputs are stored for valid rows only. Each (chunk, 
 GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
 extra pass over memory and is deterministic.
 The kernel is persistent: `ctas` CTAs (one per SM; the host passes min(SMs, items)) walk the (chunk slot, q/k head)
-items round-robin. Each item's q / k tiles and first V block are loaded under the previous item's epilogue and row
-stores, and the next item's chunk lookup under its work: as one CTA per item, an SM spent ~2 us between CTAs and
-~1.5 us waiting for each CTA's first tiles (clock stamps, hk16_hv32 32k_1seq: 26 us an item).
+items round-robin. Each item's first V block is loaded under the previous item's epilogue, its q / k tiles under its
+first V blocks (first needed by head 0's epilogue), and the next item's chunk lookup under its work: as one CTA per
+item, an SM spent ~2 us between CTAs and ~1.5 us waiting for each CTA's first tiles (clock stamps, hk16_hv32 32k_1seq:
+26 us an item). A whole chunk's dq / dk (no l2norm) are rounded into q_s / k_s and stored by TMA, which the next
+item runs beside; a row-store loop there took ~9% of an item (5-6% of the kernel on an H100). Partial chunks and
+l2norm keep the row loop (rows past a sequence end are another item's).
 use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2 (what
 gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy - r^3 x (x . dy) from the raw rows
 (one warp per row, fp32, before the single rounding to the input dtype): no separate pass, no autograd.
@@ -177,7 +180,8 @@ def build(dtype: str, K: int, V: int):
             blocks = T.alloc_var("int32")  # V blocks this CTA has loaded before this item: buffer parities
             heads = T.alloc_var("int32")   # v-heads done before this item: the A tile's parity
             items = T.alloc_var("int32")   # valid items done before this one: the q / k tiles' parity
-            ahead = T.alloc_var("int32")   # this item's q / k and first V block were issued by the previous item
+            ahead = T.alloc_var("int32")   # this item's first V block was issued by the previous item
+            whole = T.alloc_var("int32")   # a whole chunk without l2norm: dq / dk stored from q_s / k_s by TMA
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
@@ -216,16 +220,17 @@ def build(dtype: str, K: int, V: int):
                     nvalid = slot_rows[nbc, 1]
                 else:
                     nvalid = 0
+                whole = T.if_then_else(valid == C and l2norm == 0, 1, 0)
                 if valid > 0:
                     # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
                     # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
                     if ahead == 0:
+                        # the last TMA stores of dq / dk (issued by this same elected thread) have read q_s / k_s
+                        T.tma_store_wait()
                         T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
                         T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
                                    blocks % 2, t0, bc, hk * R, 0)
-                    T.barrier_arrive(qk_bar[0])
-                    T.mbarrier_wait_parity(qk_bar[0], items % 2)
                     for r in T.serial(R):  # the group's v-heads in order: deterministic sums
                         h = hk * R + r
                         # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it
@@ -255,10 +260,17 @@ def build(dtype: str, K: int, V: int):
                             blk = blocks + nxt - 1  # the CTA's running block count: buffer blk % 2, its use blk // 2
                             b = blk % 2
                             if nxt < R * NB:  # the next block (of this head or the next) into the other buffer
+                                if nxt == 1 and ahead != 0:
+                                    # the previous item's dq / dk TMA stores read q_s / k_s: the elected thread
+                                    # waits for those reads before the barrier, then issues this item's q / k
+                                    T.tma_store_wait()
                                 T.fence_proxy_async()
                                 T.sync_threads()  # block blk - 1's products and folds are done with that buffer
                                 load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
                                            loaded, 1 - b, t0, bc, hk * R + nxt // NB, (nxt % NB) * BV)
+                                if nxt == 1 and ahead != 0:  # first waited for at head 0's epilogue
+                                    T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
+                                    T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
                             elif nvalid > 0:  # the next item's first block, under this item's last epilogue
                                 T.fence_proxy_async()
                                 T.sync_threads()
@@ -290,6 +302,9 @@ def build(dtype: str, K: int, V: int):
                             et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
                             b_s[tid] = rowv[2]
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
+                        if r == 0:  # q / k's first use in this item
+                            T.barrier_arrive(qk_bar[0])
+                            T.mbarrier_wait_parity(qk_bar[0], items % 2)
                         T.wgmma_gemm(q_s, k_s, cc, transpose_B=True, clear_accum=True)
                         T.barrier_arrive(a_bar[0])
                         T.mbarrier_wait_parity(a_bar[0], (heads + r) % 2)
@@ -413,26 +428,42 @@ def build(dtype: str, K: int, V: int):
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
                         T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
-                        if r > 0:
+                        if r == R - 1 and whole != 0:
+                            # a whole chunk without l2norm: the group's sums rounded straight into q_s / k_s (free
+                            # once both warpgroups' last products, which read k_s, are done) and stored by TMA,
+                            # which the next item's work runs beside (a row-store loop cost ~9% of an item)
+                            T.sync_threads()
+                            if r > 0:
+                                for i, d in T.Parallel(C, K):
+                                    q_s[i, d] = T.cast(dqf[i, d] + dqa_s[i, d], dt)
+                                    k_s[i, d] = T.cast(dkf[i, d] + dka_s[i, d], dt)
+                            else:
+                                for i, d in T.Parallel(C, K):
+                                    q_s[i, d] = T.cast(dqf[i, d], dt)
+                                    k_s[i, d] = T.cast(dkf[i, d], dt)
+                        else:
+                            if r > 0:
+                                for i, d in T.Parallel(C, K):
+                                    dqf[i, d] += dqa_s[i, d]
+                                    dkf[i, d] += dka_s[i, d]
                             for i, d in T.Parallel(C, K):
-                                dqf[i, d] += dqa_s[i, d]
-                                dkf[i, d] += dka_s[i, d]
-                        for i, d in T.Parallel(C, K):
-                            dqa_s[i, d] = dqf[i, d]
-                            dka_s[i, d] = dkf[i, d]
-                    # this item's generic reads of q_s / k_s before the next item's TMA writes them
+                                dqa_s[i, d] = dqf[i, d]
+                                dka_s[i, d] = dkf[i, d]
+                    # generic writes of q_s / k_s (TMA-stored) or of dqa_s / dka_s (read across threads) published
                     T.fence_proxy_async()
-                    T.sync_threads()  # every thread's last sums in dqa_s / dka_s before rows are read across threads
-                    if nvalid > 0:  # the next item's q / k tiles load under this item's row stores
-                        T.tma_copy(q[nt0:nt0 + C, nhk, :], q_s, barrier=qk_bar[0])
-                        T.tma_copy(k[nt0:nt0 + C, nhk, :], k_s, barrier=qk_bar[0])
-                    warp = T.get_thread_binding() // 32
-                    lane = T.get_thread_binding() % 32
-                    store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
-                    store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                    T.sync_threads()
+                    if whole != 0:
+                        T.tma_copy(q_s, dq[t0:t0 + C, hk, :])
+                        T.tma_copy(k_s, dk[t0:t0 + C, hk, :])
+                    else:
+                        warp = T.get_thread_binding() // 32
+                        lane = T.get_thread_binding() % 32
+                        store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                        store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
                     blocks += R * NB
                     heads += R
                     items += 1
                     ahead = T.if_then_else(nvalid > 0, 1, 0)
+            T.tma_store_wait()  # the last item's dq / dk stores have read q_s / k_s before the CTA exits
 
     return gdn_bwd_chunk
