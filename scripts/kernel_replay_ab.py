@@ -5,7 +5,8 @@ must match the manifest build's bit for bit; then one call in which every launch
 (the device drained, each build in turns, CUDA-event medians) on that call's own buffers.
 usage: python scripts/kernel_replay_ab.py KERNEL KEY NAME=CUBIN:SMEM [NAME=CUBIN:SMEM ...] [--rows SUB[,SUB...]]
 (KEY: the variant the cubins replace, whose manifest entry's launch rules every build shares; NAME=manifest times
-the built kernel, NAME=dir:PATH the build in another kernel directory; cubins from scripts/compile_variant.py, which prints each build's SMEM). JSON lines on stdout.
+the built kernel, NAME=dir:PATH the build in another kernel directory; cubins from scripts/compile_variant.py, which
+prints each build's SMEM). JSON lines on stdout.
 """
 import json
 import statistics
@@ -59,6 +60,9 @@ def main():
         finally:
             ops._launch = real_launch
         torch.cuda.synchronize()
+        if not times[next(iter(builds))]:  # this row's backward never launches KERNEL (e.g. no CP)
+            print(json.dumps({"row": row.key, "kernel": kernel, "launches": 0}), flush=True)
+            continue
         print(json.dumps({"row": row.key, "kernel": kernel, "launches": len(times[next(iter(builds))]) // 12,
                           **{n: round(statistics.median(v), 4) for n, v in times.items()}}), flush=True)
 
