@@ -62,11 +62,12 @@ def build(dtype: str, K: int, V: int):
     E = K // 32  # a warp's lanes cover a row of K: E consecutive elements each
 
     @T.macro
-    def store_rows(grad_s, raw, out, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red):
+    def store_rows(grad_s, raw_s, out, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red):
         """out's valid rows from the fp32 sums in grad_s; with l2norm, through the l2norm backward: grad_s holds
         dL/dy for y = x r (the normalised row the products used), out gets dL/dx = r dy - r^3 x (x . dy), with x the
-        raw row and r = (|x|^2 + eps)^-1/2 recomputed in fp32 (one warp per row; the row is warp-uniform, so the
-        shuffles see every lane)."""
+        raw row (from raw_s: the tile came by TMA, where a global load a row had put one latency on each row) and
+        r = (|x|^2 + eps)^-1/2 recomputed in fp32 (one warp per row; the row is warp-uniform, so the shuffles see
+        every lane)."""
         for it in T.serial(C // WARPS):
             row = it * WARPS + warp
             if row < valid:
@@ -74,7 +75,7 @@ def build(dtype: str, K: int, V: int):
                     gv[u] = grad_s[row, lane * E + u]
                 if l2norm != 0:
                     for u in T.vectorized(E):
-                        xr[u] = raw[t0 + row, hk, lane * E + u]
+                        xr[u] = raw_s[row, lane * E + u]
                     red[0] = 0.0  # |x|^2, then r
                     red[1] = 0.0  # x . dy, then r^3 (x . dy)
                     for u in T.unroll(E):
@@ -180,6 +181,7 @@ def build(dtype: str, K: int, V: int):
             blocks = T.alloc_var("int32")  # V blocks this CTA has loaded before this item: buffer parities
             heads = T.alloc_var("int32")   # v-heads done before this item: the A tile's parity
             items = T.alloc_var("int32")   # valid items done before this one: the q / k tiles' parity
+            raws = T.alloc_var("int32")    # raw q / k tiles loaded before (l2norm, row path): raw_bar's parity
             ahead = T.alloc_var("int32")   # this item's first V block was issued by the previous item
             whole = T.alloc_var("int32")   # a whole chunk without l2norm: dq / dk stored from q_s / k_s by TMA
             xr = T.alloc_local((E,), dt)
@@ -193,6 +195,7 @@ def build(dtype: str, K: int, V: int):
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
+            raw_bar = T.alloc_barrier(THREADS)  # l2norm, row path: the raw q / k tiles
             R = Hv // Hq
             NB = V // BV
             n_items = (TC // C) * Hq
@@ -200,6 +203,7 @@ def build(dtype: str, K: int, V: int):
             blocks = 0
             heads = 0
             items = 0
+            raws = 0
             ahead = 0
             nbc = pid // Hq
             nhk = pid % Hq
@@ -225,8 +229,12 @@ def build(dtype: str, K: int, V: int):
                     # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
                     # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
                     if ahead == 0:
-                        # the last TMA stores of dq / dk (issued by this same elected thread) have read q_s / k_s
+                        # the last TMA stores of dq / dk (issued by this same elected thread) have read q_s / k_s;
+                        # with l2norm, so have every thread's reads of the raw rows there (the row path)
                         T.tma_store_wait()
+                        if l2norm != 0:
+                            T.fence_proxy_async()
+                            T.sync_threads()
                         T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
                         T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
@@ -456,10 +464,16 @@ def build(dtype: str, K: int, V: int):
                         T.tma_copy(q_s, dq[t0:t0 + C, hk, :])
                         T.tma_copy(k_s, dk[t0:t0 + C, hk, :])
                     else:
+                        if l2norm != 0:  # the raw rows into q_s / k_s, free since the barrier above
+                            T.tma_copy(q_raw[t0:t0 + C, hk, :], q_s, barrier=raw_bar[0])
+                            T.tma_copy(k_raw[t0:t0 + C, hk, :], k_s, barrier=raw_bar[0])
+                            T.barrier_arrive(raw_bar[0])
+                            T.mbarrier_wait_parity(raw_bar[0], raws % 2)
+                            raws += 1
                         warp = T.get_thread_binding() // 32
                         lane = T.get_thread_binding() % 32
-                        store_rows(dqa_s, q_raw, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
-                        store_rows(dka_s, k_raw, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                        store_rows(dqa_s, q_s, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                        store_rows(dka_s, k_s, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
                     blocks += R * NB
                     heads += R
                     items += 1
