@@ -226,11 +226,14 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # recurrence kernels then read in place of q / k
     qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
               else (qp, kp))
+    # and each row's factor (|x|^2 + eps)^-1/2, head-major by chunk slot (as the gamma tiles), which gdn_bwd_chunk's
+    # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
+    rn = _empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else None
     _launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
                  g_is_cumsum=int(g_is_cumsum)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
-             "g": gp.data_ptr(), "beta": bp.data_ptr(),
+             "rn": (rn if rn is not None else tiles).data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
@@ -260,7 +263,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
                      sizes=sizes, tag=tag, order=order,
-                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2))
+                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn)
         chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
             seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,

@@ -119,6 +119,9 @@ def build(dtype: str, K: int, V: int):
         dg: T.Tensor((NT, Hv), "float32"),
         q_raw: T.Tensor((NT, Hq, K), dt),
         k_raw: T.Tensor((NT, Hq, K), dt),
+        # l2norm: the q (0) / k (1) rows' factors as gdn_prepare stored them, by chunk slot (slot * 64 + row): a
+        # chunk's 64 are one TMA box whose start is 256-byte aligned (a box at token t0 is not, and TMA faults)
+        rn: T.Tensor((2, Hq, TC), "float32"),
         scale: T.float32,
         l2norm: T.int32,
         ctas: T.int32,
@@ -126,6 +129,8 @@ def build(dtype: str, K: int, V: int):
         # items: every (chunk slot, q/k head), slot-major (TC / 64 = ceil(T / 64) + N slots)
         with T.Kernel(ctas, threads=THREADS) as pid:
             q_s = T.alloc_shared((C, K), dt)
+            rq_s = T.alloc_shared((C,), "float32")  # l2norm: the chunk's q rows' factors r (with the q / k tiles)
+            rk_s = T.alloc_shared((C,), "float32")
             k_s = T.alloc_shared((C, K), dt)
             a_s = T.alloc_shared((C, C), dt)
             m_s = T.alloc_shared((C, C), dt)
@@ -183,7 +188,7 @@ def build(dtype: str, K: int, V: int):
             items = T.alloc_var("int32")   # valid items done before this one: the q / k tiles' parity
             raws = T.alloc_var("int32")    # raw q / k tiles loaded before (l2norm, row path): raw_bar's parity
             ahead = T.alloc_var("int32")   # this item's first V block was issued by the previous item
-            whole = T.alloc_var("int32")   # a whole chunk without l2norm: dq / dk stored from q_s / k_s by TMA
+            whole = T.alloc_var("int32")   # a whole chunk: dq / dk stored from q_s / k_s by TMA
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
             ov = T.alloc_local((E,), dt)
@@ -224,7 +229,7 @@ def build(dtype: str, K: int, V: int):
                     nvalid = slot_rows[nbc, 1]
                 else:
                     nvalid = 0
-                whole = T.if_then_else(valid == C and l2norm == 0, 1, 0)
+                whole = T.if_then_else(valid == C, 1, 0)
                 if valid > 0:
                     # Every tile arrives by TMA on an mbarrier (one elected thread issues, all threads wait): the
                     # per-thread copies with bounds checks were ~45% of the stall samples (long scoreboard, ncu)
@@ -237,6 +242,9 @@ def build(dtype: str, K: int, V: int):
                             T.sync_threads()
                         T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
                         T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
+                        if l2norm != 0:
+                            T.tma_copy(rn[0, hk, bc * C:bc * C + C], rq_s, barrier=qk_bar[0])
+                            T.tma_copy(rn[1, hk, bc * C:bc * C + C], rk_s, barrier=qk_bar[0])
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
                                    blocks % 2, t0, bc, hk * R, 0)
                     for r in T.serial(R):  # the group's v-heads in order: deterministic sums
@@ -279,6 +287,9 @@ def build(dtype: str, K: int, V: int):
                                 if nxt == 1 and ahead != 0:  # first waited for at head 0's epilogue
                                     T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
                                     T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
+                                    if l2norm != 0:
+                                        T.tma_copy(rn[0, hk, bc * C:bc * C + C], rq_s, barrier=qk_bar[0])
+                                        T.tma_copy(rn[1, hk, bc * C:bc * C + C], rk_s, barrier=qk_bar[0])
                             elif nvalid > 0:  # the next item's first block, under this item's last epilogue
                                 T.fence_proxy_async()
                                 T.sync_threads()
@@ -437,18 +448,32 @@ def build(dtype: str, K: int, V: int):
                         T.warpgroup_fence_operand(dqf, num_regs=C * K // THREADS)
                         T.warpgroup_fence_operand(dkf, num_regs=C * K // THREADS)
                         if r == R - 1 and whole != 0:
-                            # a whole chunk without l2norm: the group's sums rounded straight into q_s / k_s (free
-                            # once both warpgroups' last products, which read k_s, are done) and stored by TMA,
-                            # which the next item's work runs beside (a row-store loop cost ~9% of an item)
+                            # a whole chunk: the group's sums rounded straight into q_s / k_s (free once both
+                            # warpgroups' last products, which read k_s, are done) and stored by TMA, which the next
+                            # item's work runs beside (a row-store loop cost ~9% of an item)
                             T.sync_threads()
                             if r > 0:
                                 for i, d in T.Parallel(C, K):
-                                    q_s[i, d] = T.cast(dqf[i, d] + dqa_s[i, d], dt)
-                                    k_s[i, d] = T.cast(dkf[i, d] + dka_s[i, d], dt)
-                            else:
+                                    dqf[i, d] += dqa_s[i, d]
+                                    dkf[i, d] += dka_s[i, d]
+                            if l2norm != 0:
+                                # through the l2norm: dL/dx = r (dy - y (y . dy)) = r dy - r^3 x (x . dy), with y the
+                                # normalised row the products used (still in q_s / k_s) and r gdn_prepare's factor
+                                # (rq_s / rk_s, loaded with the q / k tiles; dks is scratch since the state terms)
                                 for i, d in T.Parallel(C, K):
-                                    q_s[i, d] = T.cast(dqf[i, d], dt)
-                                    k_s[i, d] = T.cast(dkf[i, d], dt)
+                                    dks[i, d] = dqf[i, d] * q_s[i, d]
+                                T.reduce_sum(dks, r23, dim=1, batch=2)  # r23: free since the state terms
+                                for i, d in T.Parallel(C, K):
+                                    dqf[i, d] = rq_s[i] * (dqf[i, d] - T.cast(q_s[i, d], "float32") * r23[i])
+                                for i, d in T.Parallel(C, K):
+                                    dks[i, d] = dkf[i, d] * k_s[i, d]
+                                T.reduce_sum(dks, r23, dim=1, batch=2)  # r23: free since the state terms
+                                for i, d in T.Parallel(C, K):
+                                    dkf[i, d] = rk_s[i] * (dkf[i, d] - T.cast(k_s[i, d], "float32") * r23[i])
+                                T.sync_threads()  # every thread's reads of y before q_s / k_s take the results
+                            for i, d in T.Parallel(C, K):
+                                q_s[i, d] = T.cast(dqf[i, d], dt)
+                                k_s[i, d] = T.cast(dkf[i, d], dt)
                         else:
                             if r > 0:
                                 for i, d in T.Parallel(C, K):

@@ -81,6 +81,8 @@ def build(dtype: str, K: int, A: str = "solve"):
         p: T.Tensor((NT, Hv, C), dt),
         qn: T.Tensor((NT, Hq, K), dt),
         kn: T.Tensor((NT, Hq, K), dt),
+        # with l2norm: each q (0) / k (1) row's factor (|x|^2 + eps)^-1/2, at its chunk slot's row (slot * 64 + row)
+        rn: T.Tensor((2, Hq, TC), "float32"),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
@@ -178,9 +180,9 @@ def build(dtype: str, K: int, A: str = "solve"):
                     row = tid % C
                     store = hg * hpc % (Hv // Hq) == 0 and row < valid
                     if tid < C:
-                        l2norm_row(k_s, row, K, L2NORM_EPS, l2n, nrm, kn, t0 + row, hk, store)
+                        l2norm_row(k_s, row, K, L2NORM_EPS, l2n, nrm, kn, t0 + row, hk, store, rn, 1, bc * C + row)
                     else:
-                        l2norm_row(q_s, row, K, L2NORM_EPS, l2n, nrm, qn, t0 + row, hk, store)
+                        l2norm_row(q_s, row, K, L2NORM_EPS, l2n, nrm, qn, t0 + row, hk, store, rn, 0, bc * C + row)
                     T.fence_proxy_async()  # generic-proxy writes, then the tensor cores' (async proxy) reads
                     T.sync_threads()
                 # both products on the tensor cores while the CUDA cores sum gamma (waited for below)
