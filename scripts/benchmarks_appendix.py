@@ -67,8 +67,43 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest sessions (2026-11-25, thirteenth and fourteenth; backward). `h200.jsonl` is unchanged: no H200 was lent in
-the fourteenth session, so its timings are from an H100, where FlashQLA was re-timed in the same session.
+Latest session (2026-11-25, fifteenth; backward). `h200.jsonl` is still the twelfth session's build: no H200 was
+lent (every call that asked for one got an H100), so the H200 compare above does not include this session's changes.
+On one H100, ours and FlashQLA timed back to back at the final build (`h100.jsonl`, `qla_h100.jsonl`; ratios row by
+row between the two files): backward graph geomean 1.14x FlashQLA with every row above it (min 1.008x: hk4_hv8 32k_1seq
+0.942 vs 0.950 ms; hk16_hv32 32k_8seq 2.884 vs 2.915, 8k_8seq 0.776 vs 0.792; the fourteenth session had three rows
+below, 0.96-0.996x); eager 1.24x (min 0.975: hk4_hv8 32k_1seq, whose CP path is host-bound there). Forward 1.28x (min 1.05).
+- Shipped: gdn_bwd_chunk stores a whole chunk's dq / dk by TMA. The GVA group's sums are rounded into q_s / k_s, which
+  are free once the last head's products are done, and the next item runs beside the stores. Its q / k tiles are loaded
+  under its first V blocks and waited for at head 0's epilogue. Before, a row-store loop held each item for ~9% of its
+  time. Timed alone in turns inside the bench's backward (`scripts/kernel_replay_ab.py`, H100, gradients bit-identical,
+  `experiments/gdn_bwd_chunk_tma_store_dq_dk_h100.jsonl`): hk16_hv32 32k_8seq 1.448 -> 1.367 ms, 32k_1seq 1.451 -> 1.359,
+  8k rows -5%, hk4_hv8 -4-6%. The whole backward on that H100 went 3.035 -> 2.922 ms on 32k_8seq.
+- Shipped: use_qk_l2norm_in_kernel's backward gets the same path. gdn_prepare stores each q / k row's factor
+  r = (|x|^2 + eps)^-1/2 by chunk slot. A chunk's 64 factors load as one TMA box with the q / k tiles. A box that
+  started at token t0 faulted with an illegal instruction when t0 * 4 was not a multiple of 16; the K64 mixed-length
+  l2norm test caught it. The epilogue applies dL/dx = r (dy - y (y . dy)) in the accumulator layout, with y the
+  normalised row still in q_s / k_s. Partial chunks keep the row loop, with their raw rows by TMA instead of a global
+  load a row. The l2norm backward on hk16_hv32 32k_8seq (eager, H100, `experiments/l2norm_*_h100.jsonl`):
+  4.23-4.25 -> 3.44-3.53 ms. Its cost over the plain backward went ~0.99 -> ~0.32 ms.
+- Shipped: gdn_cp_combine issues a fallback step's loads together: Z[s], M[s], and the predecessor's state unless this
+  CTA just computed it (now kept in shared memory). Before, they were three latencies in a row. 7% faster on an H100
+  (`experiments/cp_combine_loads_together_h100.jsonl`).
+- Measured, not taken (`experiments/fifteenth_session_attempts_h100.md`):
+  - the chunk kernel's V blocks two ahead: 0.3-0.7% slower. The V loop does not wait on its loads.
+  - dL's first product issued beside the dPs products: 0.3-1.1% slower.
+  - gdn_prepare reading A with K K^T's diagonal on the CUDA cores: the same time at four CTAs an SM, 4-5% slower at
+    five (spills).
+  - the two-stage save build in whole-backward medians: 32k_8seq 0.7% faster, two other rows 0.4-0.6% slower.
+  - Timing-only builds bound what is left in the chunk kernel's epilogue: the dg scan ~2% of the kernel, the first
+    head's running sums ~0.5%.
+- The H200 rows that were below FlashQLA in `h200.jsonl` (hk16_hv32 32k_8seq 2.754 vs 2.703, and 32k_1seq in its
+  power-capped run) have not been re-timed on an H200. On the H100 this session's changes took 32k_8seq from 0.96x to
+  1.01x FlashQLA. The same ~80 us on the H200 would put it at ~2.67 ms, against 2.70. That is a prediction, not a
+  measurement.
+
+Sessions of 2026-11-25, thirteenth and fourteenth (backward). No H200 was lent in the fourteenth session, so its
+timings are from an H100, where FlashQLA was re-timed in the same session.
 - Shipped: gdn_fwd's save build at BV = 64 takes three input stages (141 KB; it already ran one CTA per SM), and keeps
   its W / Vnew tiles in two buffers by chunk parity, with one TMA-store wait per chunk before its last barrier, a
   whole chunk after the stores it covers. Same gradients bit for bit. Against the two-stage, one-buffer build, timed
