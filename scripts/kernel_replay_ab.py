@@ -60,10 +60,11 @@ def main():
         finally:
             ops._launch = real_launch
         torch.cuda.synchronize()
-        if not times[next(iter(builds))]:  # this row's backward never launches KERNEL (e.g. no CP)
+        launches = len(times[next(iter(builds))]) // 12  # each launch was timed 12 times per build
+        if not launches:  # this row's backward never launches KERNEL (e.g. no CP)
             print(json.dumps({"row": row.key, "kernel": kernel, "launches": 0}), flush=True)
             continue
-        print(json.dumps({"row": row.key, "kernel": kernel, "launches": len(times[next(iter(builds))]) // 12,
+        print(json.dumps({"row": row.key, "kernel": kernel, "launches": launches,
                           **{n: round(statistics.median(v), 4) for n, v in times.items()}}), flush=True)
 
 if __name__ == "__main__":
