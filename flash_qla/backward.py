@@ -178,8 +178,8 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
                  "dq": dq.data_ptr(), "dk": dk.data_ptr(),
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
                  "k_raw": k_raw.data_ptr(),
-                 # l2norm: the rows' factors (|x|^2 + eps)^-1/2 from gdn_prepare (else any valid address: unread)
-                 "rn": (saved["rn"] if saved.get("rn") is not None else saved["gam_t"]).data_ptr()})
+                 # l2norm: the rows' factors (|x|^2 + eps)^-1/2 from gdn_prepare (without it, ops' stand-in: unread)
+                 "rn": saved["rn"].data_ptr()})
     return dq, dk, dbeta, dg
 
 

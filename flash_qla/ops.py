@@ -228,12 +228,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
               else (qp, kp))
     # and each row's factor (|x|^2 + eps)^-1/2, head-major by chunk slot (as the gamma tiles), which gdn_bwd_chunk's
     # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
-    rn = _empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else None
+    # (without l2norm the kernels never read it: `tiles`, larger than its [2, Hq, TC], stands in as its address)
+    rn = _empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
     _launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
                  g_is_cumsum=int(g_is_cumsum)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
-             "rn": (rn if rn is not None else tiles).data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
+             "rn": rn.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],

@@ -18,11 +18,13 @@ items round-robin. Each item's first V block is loaded under the previous item's
 first V blocks (first needed by head 0's epilogue), and the next item's chunk lookup under its work: as one CTA per
 item, an SM spent ~2 us between CTAs and ~1.5 us waiting for each CTA's first tiles (clock stamps, hk16_hv32 32k_1seq:
 26 us an item). A whole chunk's dq / dk (no l2norm) are rounded into q_s / k_s and stored by TMA, which the next
-item runs beside; a row-store loop there took ~9% of an item (5-6% of the kernel on an H100). Partial chunks and
-l2norm keep the row loop (rows past a sequence end are another item's).
-use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2 (what
-gdn_prepare stored), and the epilogue turns the group's summed dy into dx = r dy - r^3 x (x . dy) from the raw rows
-(one warp per row, fp32, before the single rounding to the input dtype): no separate pass, no autograd.
+item runs beside; a row-store loop there took ~9% of an item (5-6% of the kernel on an H100). Partial chunks keep
+the row loop (rows past a sequence end are another item's).
+use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2, and the
+epilogue turns the group's summed dy into dx = r (dy - y (y . dy)) = r dy - r^3 x (x . dy) in fp32 before the single
+rounding to the input dtype: no separate pass, no autograd. A whole chunk does it in the accumulator layout from y
+(still in q_s / k_s) and gdn_prepare's stored r, then takes the TMA store; a partial chunk's row loop does it from
+the raw rows (one warp per row, r recomputed).
 """
 import tilelang.language as T
 
@@ -58,6 +60,26 @@ def build(dtype: str, K: int, V: int):
         T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s[b, :, :], barrier=loaded[b])
         T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s[b, :, :], barrier=loaded[b])
         T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s[b, :, :], barrier=loaded[b])
+
+    @T.macro
+    def load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm):
+        """The item's q / k tiles (with l2norm, their rows' factors too) by TMA on qk_bar (arrival left to the
+        caller)."""
+        T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
+        T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
+        if l2norm != 0:
+            T.tma_copy(rn[0, hk, bc * C:bc * C + C], rq_s, barrier=qk_bar[0])
+            T.tma_copy(rn[1, hk, bc * C:bc * C + C], rk_s, barrier=qk_bar[0])
+
+    @T.macro
+    def l2norm_backward(grad, y_s, r_s, scratch, rowsum):
+        """grad (the group's dL/dy, accumulator layout) becomes dL/dx = r (dy - y (y . dy)), with y the normalised
+        rows the products used (y_s) and r gdn_prepare's factors (r_s); scratch and rowsum are free fragments."""
+        for i, d in T.Parallel(C, K):
+            scratch[i, d] = grad[i, d] * y_s[i, d]
+        T.reduce_sum(scratch, rowsum, dim=1, batch=2)
+        for i, d in T.Parallel(C, K):
+            grad[i, d] = r_s[i] * (grad[i, d] - T.cast(y_s[i, d], "float32") * rowsum[i])
 
     E = K // 32  # a warp's lanes cover a row of K: E consecutive elements each
 
@@ -240,11 +262,7 @@ def build(dtype: str, K: int, V: int):
                         if l2norm != 0:
                             T.fence_proxy_async()
                             T.sync_threads()
-                        T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
-                        T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
-                        if l2norm != 0:
-                            T.tma_copy(rn[0, hk, bc * C:bc * C + C], rq_s, barrier=qk_bar[0])
-                            T.tma_copy(rn[1, hk, bc * C:bc * C + C], rk_s, barrier=qk_bar[0])
+                        load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
                         load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
                                    blocks % 2, t0, bc, hk * R, 0)
                     for r in T.serial(R):  # the group's v-heads in order: deterministic sums
@@ -285,11 +303,7 @@ def build(dtype: str, K: int, V: int):
                                 load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
                                            loaded, 1 - b, t0, bc, hk * R + nxt // NB, (nxt % NB) * BV)
                                 if nxt == 1 and ahead != 0:  # first waited for at head 0's epilogue
-                                    T.tma_copy(q[t0:t0 + C, hk, :], q_s, barrier=qk_bar[0])
-                                    T.tma_copy(k[t0:t0 + C, hk, :], k_s, barrier=qk_bar[0])
-                                    if l2norm != 0:
-                                        T.tma_copy(rn[0, hk, bc * C:bc * C + C], rq_s, barrier=qk_bar[0])
-                                        T.tma_copy(rn[1, hk, bc * C:bc * C + C], rk_s, barrier=qk_bar[0])
+                                    load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
                             elif nvalid > 0:  # the next item's first block, under this item's last epilogue
                                 T.fence_proxy_async()
                                 T.sync_threads()
@@ -457,19 +471,10 @@ def build(dtype: str, K: int, V: int):
                                     dqf[i, d] += dqa_s[i, d]
                                     dkf[i, d] += dka_s[i, d]
                             if l2norm != 0:
-                                # through the l2norm: dL/dx = r (dy - y (y . dy)) = r dy - r^3 x (x . dy), with y the
-                                # normalised row the products used (still in q_s / k_s) and r gdn_prepare's factor
-                                # (rq_s / rk_s, loaded with the q / k tiles; dks is scratch since the state terms)
-                                for i, d in T.Parallel(C, K):
-                                    dks[i, d] = dqf[i, d] * q_s[i, d]
-                                T.reduce_sum(dks, r23, dim=1, batch=2)  # r23: free since the state terms
-                                for i, d in T.Parallel(C, K):
-                                    dqf[i, d] = rq_s[i] * (dqf[i, d] - T.cast(q_s[i, d], "float32") * r23[i])
-                                for i, d in T.Parallel(C, K):
-                                    dks[i, d] = dkf[i, d] * k_s[i, d]
-                                T.reduce_sum(dks, r23, dim=1, batch=2)  # r23: free since the state terms
-                                for i, d in T.Parallel(C, K):
-                                    dkf[i, d] = rk_s[i] * (dkf[i, d] - T.cast(k_s[i, d], "float32") * r23[i])
+                                # y is still in q_s / k_s, r in rq_s / rk_s (loaded with them); dks and r23 are free
+                                # since the state terms
+                                l2norm_backward(dqf, q_s, rq_s, dks, r23)
+                                l2norm_backward(dkf, k_s, rk_s, dks, r23)
                                 T.sync_threads()  # every thread's reads of y before q_s / k_s take the results
                             for i, d in T.Parallel(C, K):
                                 q_s[i, d] = T.cast(dqf[i, d], dt)
