@@ -67,10 +67,38 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-25, fifteenth; backward). `h200.jsonl` is still the twelfth session's build: no H200 was
-lent (every call that asked for one got an H100), so the H200 compare above does not include this session's changes.
-On one H100, ours and FlashQLA timed back to back at the final build (`h100.jsonl`, `qla_h100.jsonl`; ratios row by
-row between the two files): backward graph geomean 1.14x FlashQLA with every row above it (min 1.008x: hk4_hv8 32k_1seq
+Latest session (2026-11-25, sixteenth; backward). Again no H200 was lent: every call asked for the nvidia-h200 kind and each ran on an
+H100. `h200.jsonl` is still the twelfth session's build.
+- Three interleaved runs on one H100 (ours, FlashQLA, ours, ...), each row's median over the runs
+  (`python -m flash_qla.bench.merge_runs`; `h100.jsonl` / `qla_h100.jsonl` now hold these backward rows, with every
+  run's value; `experiments/bwd_three_runs_h100.jsonl`, `qla_bwd_three_runs_h100.jsonl`). Backward graph geomean
+  1.15x FlashQLA, min 0.996x. hk16_hv32 32k_8seq: ours 2.939 / 2.934 / 2.974 ms, FlashQLA 2.928 / 2.930 / 2.926.
+  The other thin rows: 8k_8seq 1.014x, hk4_hv8 32k_1seq 1.013x. On the fifteenth session's H100, 32k_8seq was 1.011x
+  (one run each). So that row is at parity within the card-to-card spread, not above it, and the H200 prediction
+  below (~2.67 vs 2.70 ms) should be read the same way.
+- Eager, same runs: hk4_hv8 32k_1seq (CP) 1.014 / 1.286 / 1.307 ms against FlashQLA's 1.157 / 0.983 / 0.980. A call's
+  host time there is ~1.4 ms (`scripts/profile_backward_host.py`, `experiments/backward_host_us_h100.jsonl`), above its
+  0.95 ms of device time, so the eager figure follows the host. The profile is flat (`backward_host_profile_h100.txt`):
+  28 allocations, 12 launches, 8 stream joins and ~20 small torch calls, none above ~12%. hk16_hv32 32k_8seq's call
+  takes 0.68 ms of host time, under its device time. Left alone.
+- Rebuilt gdn_bwd_chunk with the review's folds (the q / k tile loads and the l2norm epilogue's q / k halves in one
+  macro each; no code change). Gradients are bit-identical to the previous build, and its time matches within 0.4%
+  (`experiments/cleanup_rebuild_chunk_ab_h100.jsonl`). 293 GPU tests, memcheck 0, racecheck 0, 3 x 1,000 graph replays.
+- Measured, nothing to take:
+  - Idle time between kernels in a backward graph replay (`scripts/graph_gaps.py`, `experiments/graph_gaps_h100.jsonl`):
+    1.2 us per replay on the non-CP rows, 3.6-3.9 us on the CP rows. Programmatic dependent launch could save no more.
+  - Graph medians of the same call, captured four times in each of two processes (`scripts/graph_spread.py`,
+    `experiments/graph_spread_h100.jsonl`): hk16_hv32 32k_8seq 2.902-2.953 ms, 32k_1seq 2.907-3.077. The kernels'
+    timelines did not move with them.
+  - The same timelines show that on 32k_8seq the save build and the dh chain do not overlap. The dh chain starts at
+    0.86 ms, as the save build's CTAs drain (save 0.28-0.90, dh 0.86-1.61, chunk 1.61-2.90 ms). The save build on the
+    caller's stream before the dh chain gave 2.900-2.915 ms. Earlier sessions' arrangements of the two chains
+    (`chain_overlap_*_h200.jsonl`) found the same bound: one CTA per SM of each, near DRAM bandwidth.
+
+Session of 2026-11-25, fifteenth (backward). No H200 was lent (every call that asked for one got an H100), so the
+H200 compare above does not include that session's changes.
+On one H100, ours and FlashQLA timed back to back at the final build (the backward rows: one run each,
+`experiments/bwd_fifteenth_final_h100.jsonl` and `qla_bwd_fifteenth_final_h100.jsonl`; ratios row by row): backward graph geomean 1.14x FlashQLA with every row above it (min 1.008x: hk4_hv8 32k_1seq
 0.942 vs 0.950 ms; hk16_hv32 32k_8seq 2.884 vs 2.915, 8k_8seq 0.776 vs 0.792; the fourteenth session had three rows
 below, 0.96-0.996x); eager 1.24x (min 0.975: hk4_hv8 32k_1seq, whose CP path is host-bound there). Forward 1.28x (min 1.05).
 - Shipped: gdn_bwd_chunk stores a whole chunk's dq / dk by TMA. The GVA group's sums are rounded into q_s / k_s, which
