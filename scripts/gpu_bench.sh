@@ -5,13 +5,16 @@
 # usage (from the repository root):
 #   bash scripts/gpu_bench.sh OUT_DIR [--pass fwd|bwd|both] [--peers "qla fla"|none] [--no-ours]
 #                             [--rows SUBSTRING] [--backend auto|kernels|reference]
-#                             [--warmup N] [--iters N] [--peers-dir .peers] [--report]
+#                             [--warmup N] [--iters N] [--peers-dir .peers] [--runs N] [--report]
 #
 # Writes under OUT_DIR (few files, because a device call brings back at most 8):
 #   ours.jsonl         python -m flash_qla.bench rows (appended per pass)
 #   <peer>.jsonl       ../shared/peers/peer_bench.py rows for each peer (qla, fla)
 #   gpu_bench.log      GPU, driver, versions, and every step's output
 #   BENCHMARKS.md      with --report: the report against the fresh peer runs only
+# --runs N (N > 1): N runs, ours then each peer in turn, into OUT_DIR/run1 ... runN; ours.jsonl and <peer>.jsonl are
+# then each row's median over the runs (python -m flash_qla.bench.merge_runs; a 32k backward row's graph median moves
+# by up to ~5% between captures on one card, more than some rows' distance to a peer).
 #
 # Peers need the staged bundle (see ../shared/README.md), e.g. both peers in one call (~54 MB):
 #   bash ../shared/peers/stage.sh .peers qla && cp ../shared/peers/bundle/cache-fla.tar.xz.* .peers/
@@ -21,7 +24,7 @@ set -uo pipefail
 
 OUT=${1:?usage: bash scripts/gpu_bench.sh OUT_DIR [options]}; shift
 PASS=both; PEERS="qla fla"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=10; ITERS=100
-PEERS_DIR=.peers; REPORT=0; PYTHON=${PYTHON:-python3}
+PEERS_DIR=.peers; REPORT=0; RUNS=1; PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
     --pass) PASS=$2; shift 2 ;;
@@ -32,12 +35,14 @@ while [ $# -gt 0 ]; do
     --warmup) WARMUP=$2; shift 2 ;;
     --iters) ITERS=$2; shift 2 ;;
     --peers-dir) PEERS_DIR=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
     --report) REPORT=1; shift ;;
     *) echo "gpu_bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
 [ "$PEERS" = none ] && PEERS=""
 case "$PASS" in fwd|bwd|both) ;; *) echo "gpu_bench.sh: --pass must be fwd, bwd or both" >&2; exit 2 ;; esac
+case "$RUNS" in ''|*[!0-9]*|0) echo "gpu_bench.sh: --runs must be a positive integer" >&2; exit 2 ;; esac
 
 mkdir -p "$OUT"
 LOG="$OUT/gpu_bench.log"
@@ -52,29 +57,45 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,
   "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")' \
   2>&1 | tee -a "$LOG"
 
-# Ours first: the process's first row then records the cold start (kernel loading) of a fresh machine.
-if [ "$RUN_OURS" = 1 ]; then
-  say "flash_qla ($PASS)"
-  args=(--pass "$PASS" --backend "$BACKEND" --warmup "$WARMUP" --iters "$ITERS" --out "$OUT/ours.jsonl" --append)
-  [ -n "$ROWS" ] && args+=(--rows "$ROWS")
-  # -m from the repository root runs this checkout's flash_qla; no PYTHONPATH here on purpose, since
-  # the peers' bundle holds FlashQLA under the same import name.
-  "$PYTHON" -m flash_qla.bench "${args[@]}" 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "flash_qla.bench exited $rc"; status=1; }
-fi
-
-for lib in $PEERS; do
-  say "peer $lib ($PASS)"
-  if [ ! -f "$PEERS_DIR/run_peers.sh" ]; then
-    say "no $PEERS_DIR/run_peers.sh: stage it with bash ../shared/peers/stage.sh $PEERS_DIR $lib"; status=1; continue
+run_once() {  # ours, then each peer, into directory $1
+  local dir=$1 lib rc only args
+  # Ours first: the process's first row then records the cold start (kernel loading) of a fresh machine.
+  if [ "$RUN_OURS" = 1 ]; then
+    say "flash_qla ($PASS)"
+    args=(--pass "$PASS" --backend "$BACKEND" --warmup "$WARMUP" --iters "$ITERS" --out "$dir/ours.jsonl" --append)
+    [ -n "$ROWS" ] && args+=(--rows "$ROWS")
+    # -m from the repository root runs this checkout's flash_qla; no PYTHONPATH here on purpose, since
+    # the peers' bundle holds FlashQLA under the same import name.
+    "$PYTHON" -m flash_qla.bench "${args[@]}" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "flash_qla.bench exited $rc"; status=1; }
   fi
-  ls "$PEERS_DIR"/cache-$lib.tar.xz.* >/dev/null 2>&1 \
-    || say "warning: no compile cache for $lib in $PEERS_DIR, expect minutes of JIT"
-  only=(); [ "$PASS" != both ] && only=(--only "$PASS")
-  bash "$PEERS_DIR/run_peers.sh" "$PEERS_DIR" "$lib" "$PEERS_DIR/matrix.json" "$OUT/$lib.jsonl" "${only[@]}" \
-    2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "peer $lib exited $rc"; status=1; }
-done
+
+  for lib in $PEERS; do
+    say "peer $lib ($PASS)"
+    if [ ! -f "$PEERS_DIR/run_peers.sh" ]; then
+      say "no $PEERS_DIR/run_peers.sh: stage it with bash ../shared/peers/stage.sh $PEERS_DIR $lib"; status=1; continue
+    fi
+    ls "$PEERS_DIR"/cache-$lib.tar.xz.* >/dev/null 2>&1 \
+      || say "warning: no compile cache for $lib in $PEERS_DIR, expect minutes of JIT"
+    only=(); [ "$PASS" != both ] && only=(--only "$PASS")
+    bash "$PEERS_DIR/run_peers.sh" "$PEERS_DIR" "$lib" "$PEERS_DIR/matrix.json" "$dir/$lib.jsonl" "${only[@]}" \
+      2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { say "peer $lib exited $rc"; status=1; }
+  done
+}
+
+if [ "$RUNS" = 1 ]; then
+  run_once "$OUT"
+else
+  for i in $(seq 1 "$RUNS"); do
+    mkdir -p "$OUT/run$i"; say "run $i of $RUNS"; run_once "$OUT/run$i"
+  done
+  say "each row's median over the $RUNS runs"
+  for name in ours $PEERS; do
+    files=(); for i in $(seq 1 "$RUNS"); do [ -s "$OUT/run$i/$name.jsonl" ] && files+=("$OUT/run$i/$name.jsonl"); done
+    [ ${#files[@]} -gt 0 ] && "$PYTHON" -m flash_qla.bench.merge_runs "$OUT/$name.jsonl" "${files[@]}" 2>&1 | tee -a "$LOG"
+  done
+fi
 
 if [ "$REPORT" = 1 ] && [ -s "$OUT/ours.jsonl" ]; then
   fresh=(); for lib in $PEERS; do [ -s "$OUT/$lib.jsonl" ] && fresh+=("$OUT/$lib.jsonl"); done
