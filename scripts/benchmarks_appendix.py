@@ -77,7 +77,8 @@ H100. `h200.jsonl` is still the twelfth session's build.
   (one run each). So that row is at parity within the card-to-card spread, not above it, and the H200 prediction
   below (~2.67 vs 2.70 ms) should be read the same way.
 - Eager, same runs: hk4_hv8 32k_1seq (CP) 1.014 / 1.286 / 1.307 ms against FlashQLA's 1.157 / 0.983 / 0.980. A call's
-  host time there is ~1.4 ms (`scripts/profile_backward_host.py`, `experiments/backward_host_us_h100.jsonl`), above its
+  host time there is ~1.4 ms (`experiments/backward_host_us_h100.jsonl`, from a script since folded into
+  `scripts/host_cost_rows.py --profile --cumulative`), above its
   0.95 ms of device time, so the eager figure follows the host. The profile is flat (`backward_host_profile_h100.txt`):
   28 allocations, 12 launches, 8 stream joins and ~20 small torch calls, none above ~12%. hk16_hv32 32k_8seq's call
   takes 0.68 ms of host time, under its device time. Left alone.

@@ -30,6 +30,24 @@ def kernel_intervals(prof):
     return sorted(out)
 
 
+def profiled_replays(call, device, replays):
+    """Each of `replays` replays (one at a time) of a fresh capture of call: its kernels' (start_us, end_us, name)."""
+    warm_up_on_side_stream(call, device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = kernel_intervals(prof)
+    per = len(kernels) // replays
+    return [kernels[r * per:(r + 1) * per] for r in range(replays)]
+
+
 def replay_gaps(kernels):
     """(span, busy, [(gap_us, before, after)]) of one replay's kernels (sorted by start)."""
     span = kernels[-1][1] - kernels[0][0]
@@ -47,30 +65,17 @@ def replay_gaps(kernels):
 
 
 def measure(row, call):
-    device = torch.device("cuda", torch.cuda.current_device())
-    warm_up_on_side_stream(call, device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            graph.replay()
-            torch.cuda.synchronize()
-    kernels = kernel_intervals(prof)
-    per = len(kernels) // REPLAYS
+    replays = profiled_replays(call, torch.device("cuda", torch.cuda.current_device()), REPLAYS)
     spans, idles, gap_counts, worst = [], [], [], {}
-    for r in range(REPLAYS):
-        span, busy, gaps = replay_gaps(kernels[r * per:(r + 1) * per])
+    for one in replays:
+        span, busy, gaps = replay_gaps(one)
         spans.append(span)
         idles.append(span - busy)
         gap_counts.append(len(gaps))
         for gap, before, after in gaps:
             worst.setdefault((before, after), []).append(gap)
     top = sorted(((statistics.median(v), k) for k, v in worst.items()), reverse=True)[:8]
-    return {"row": row.key, "kernels_per_replay": per, "span_us": round(statistics.median(spans), 1),
+    return {"row": row.key, "kernels_per_replay": len(replays[0]), "span_us": round(statistics.median(spans), 1),
             "idle_us": round(statistics.median(idles), 1), "gaps": statistics.median(gap_counts),
             "largest_gaps_us": [[round(g, 1), b, a] for g, (b, a) in top]}
 

@@ -13,35 +13,21 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flash_qla import backward
-from flash_qla.bench.timing import graph_median_ms, warm_up_on_side_stream
+from flash_qla.bench.timing import graph_median_ms
 from flash_qla.bench.workloads import backward_rows
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from graph_gaps import kernel_intervals  # noqa: E402
+from graph_gaps import profiled_replays  # noqa: E402
 
 PROFILED_REPLAYS = 5
 
 
 def timeline(call, device):
     """{kernel name: [start_us, end_us]} of one replay (medians over PROFILED_REPLAYS), relative to its first kernel."""
-    warm_up_on_side_stream(call, device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_REPLAYS):
-            graph.replay()
-            torch.cuda.synchronize()
-    kernels = kernel_intervals(prof)
-    per = len(kernels) // PROFILED_REPLAYS
     spans = {}
-    for r in range(PROFILED_REPLAYS):
-        one = kernels[r * per:(r + 1) * per]
+    for one in profiled_replays(call, device, PROFILED_REPLAYS):
         for i, (start, end, name) in enumerate(one):
             spans.setdefault(f"{i}:{name}", []).append((start - one[0][0], end - one[0][0]))
     return {k: [round(statistics.median(s for s, _ in v), 1), round(statistics.median(e for _, e in v), 1)]

@@ -3,8 +3,8 @@
 For each selected row, it measures the wall time of CALLS calls issued back to back, with the device drained
 before them and not waited for inside the loop. That is few enough launches that the launch queue never blocks,
 so the figure is the host's cost per call. It then prints a cProfile of the same loop (top functions by own time),
-which shows where that cost goes.
-usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profile]
+which shows where that cost goes; with --cumulative, by cumulative time as well.
+usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profile [--cumulative]]
 """
 import cProfile
 import io
@@ -38,9 +38,10 @@ def main():
                 fn()
             pr.disable()
             torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-            print(s.getvalue()[:5000], flush=True)
+            for order in ("tottime", "cumulative") if "--cumulative" in args else ("tottime",):
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats(order).print_stats(22)
+                print(f"== {row.key} by {order} ({calls} calls)\n" + s.getvalue()[:5000], flush=True)
 
 
 if __name__ == "__main__":
