@@ -175,7 +175,8 @@ timings are from an H100, where FlashQLA was re-timed in the same session.
   The host cost per call (`scripts/host_cost_rows.py`, that H100's host) is 0.13-0.15 ms for a plain forward, 0.32-0.36
   with CP, and 0.41-0.49 ms for a plain backward. Allocations are ~40% of the backward's torch-side host time (17
   `torch.empty` a call at ~6.5 us each).
-- Same-card comparison on the H100 (`h100.jsonl` against `qla_h100.jsonl`, both timed in this session; ratios taken
+- Same-card comparison on the H100 (then `h100.jsonl` against `qla_h100.jsonl`, both timed in this session and since
+  kept as `experiments/h100_run1_ours.jsonl` / `h100_run1_qla.jsonl`; ratios taken
   row by row between the two files, since compare.py carries only H200 anchors): backward
   geomean 1.11x FlashQLA (min 0.96). Below it: hk16_hv32 32k_8seq 3.035 vs 2.927 ms (0.96x), 8k_8seq 0.804 vs 0.801
   (0.996x), hk4_hv8 32k_1seq 0.976 vs 0.957 (0.98x). The forward: 1.27x geomean (min 1.02). The three-pass backward
