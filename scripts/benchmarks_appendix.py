@@ -83,7 +83,7 @@ H100. `h200.jsonl` is still the twelfth session's build.
   28 allocations, 12 launches, 8 stream joins and ~20 small torch calls, none above ~12%. hk16_hv32 32k_8seq's call
   takes 0.68 ms of host time, under its device time. Left alone.
 - Rebuilt gdn_bwd_chunk with the review's folds (the q / k tile loads and the l2norm epilogue's q / k halves in one
-  macro each; no code change). Gradients are bit-identical to the previous build, and its time matches within 0.4%
+  macro each; no change in what the kernel does). Gradients are bit-identical to the previous build, and its time matches within 0.4%
   (`experiments/cleanup_rebuild_chunk_ab_h100.jsonl`). 293 GPU tests, memcheck 0, racecheck 0, 3 x 1,000 graph replays.
 - Measured, nothing to take:
   - Idle time between kernels in a backward graph replay (`scripts/graph_gaps.py`, `experiments/graph_gaps_h100.jsonl`):
