@@ -95,6 +95,15 @@ H100. `h200.jsonl` is still the twelfth session's build.
     0.86 ms, as the save build's CTAs drain (save 0.28-0.90, dh 0.86-1.61, chunk 1.61-2.90 ms). The save build on the
     caller's stream before the dh chain gave 2.900-2.915 ms. Earlier sessions' arrangements of the two chains
     (`chain_overlap_*_h200.jsonl`) found the same bound: one CTA per SM of each, near DRAM bandwidth.
+- Per-kernel split against FlashQLA's on one H100 (`experiments/kernel_split_{{ours,qla}}_32k_h100.jsonl`), hk16_hv32
+  32k_8seq: our gradient stage (dh chain 0.74 + chunk kernel 1.33 ms) is ahead of FlashQLA's (fused kernel 1.62 +
+  GVA reduce 0.28 + dh pre-pass 0.16 + 0.07). Our recompute (gdn_prepare 0.31 + save build 0.67) is behind its
+  prepare_h (0.79). `docs/backward_fused_plan.md` has the table.
+- Measured and reverted, the save build beside gdn_prepare (`experiments/save_beside_prepare_h100.md`): a save_a mode
+  that makes Agb and the gate tiles in the chain from A and the g cumsum, launched before gdn_prepare. Gradients were
+  bit-identical on all 12 variants, but 32k_8seq went 2.919 -> 3.269 ms, for two reasons. The save build's 512 CTAs
+  were all dispatched before gdn_prepare's, so nothing overlapped. And making Agb in the chain took the save build
+  from 0.62 to 1.02 ms.
 
 Session of 2026-11-25, fifteenth (backward). No H200 was lent (every call that asked for one got an H100), so the
 H200 compare above does not include that session's changes.
