@@ -6,6 +6,7 @@ union of the kernels' intervals) and the idle rest, with the largest idle gaps n
 That idle time bounds what programmatic dependent launch (or any other launch-latency trim) can take off a row.
 usage: python scripts/graph_gaps.py OUT.jsonl ROW_SUBSTRING [ROW_SUBSTRING ...]   (e.g. "bwd|hk16_hv32|32k_8seq")
 """
+import itertools
 import json
 import statistics
 import sys
@@ -13,10 +14,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_qla.bench.matrix import iter_rows, load_matrix
-from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.timing import warm_up_on_side_stream
-from flash_qla.bench.workloads import backward_call, forward_call, forward_for_backward
+from flash_qla.bench.workloads import backward_rows, forward_rows
 
 REPLAYS = 20
 
@@ -83,20 +82,10 @@ def measure(row, call):
 def main():
     out_path, wants = sys.argv[1], sys.argv[2:]
     with open(out_path, "a") as out:
-        for row in iter_rows(load_matrix(), ("fwd", "bwd"), ""):
-            if not any(w in row.key for w in wants):
-                continue
-            x = draw_inputs(row, "cuda")
-            if row.key.startswith("bwd"):
-                g_cumsum, A = forward_for_backward(x, "kernels")
-                call = backward_call(x, g_cumsum, A, "kernels")
-            else:
-                call = forward_call(x, "kernels")
+        for row, _, call in itertools.chain(forward_rows(wants), backward_rows(wants)):
             rec = dict(measure(row, call), device=torch.cuda.get_device_name())
             print(json.dumps(rec), flush=True)
             out.write(json.dumps(rec) + "\n")
-            del x, call
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

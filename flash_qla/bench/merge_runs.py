@@ -20,9 +20,10 @@ def merge(runs: list) -> list:
     order, by_key = [], {}
     for rows in runs:
         for r in rows:
-            if row_key(r) not in by_key:
-                order.append(row_key(r))
-            by_key.setdefault(row_key(r), []).append(r)
+            key = row_key(r)
+            if key not in by_key:
+                order.append(key)
+            by_key.setdefault(key, []).append(r)
     merged = []
     for key in order:
         rows = by_key[key]
