@@ -4,7 +4,7 @@ For each selected row, it measures the wall time of CALLS calls issued back to b
 before them and not waited for inside the loop. That is few enough launches that the launch queue never blocks,
 so the figure is the host's cost per call. It then prints a cProfile of the same loop (top functions by own time),
 which shows where that cost goes; with --cumulative, by cumulative time as well.
-usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profile [--cumulative]]
+usage: python scripts/host_cost_rows.py ROW_SUBSTRING [...] [--calls N] [--profile [--cumulative] [--top N]]
 """
 import cProfile
 import io
@@ -22,8 +22,9 @@ from flash_qla.bench.workloads import backward_rows, forward_rows
 def main():
     args = sys.argv[1:]
     calls = int(args[args.index("--calls") + 1]) if "--calls" in args else 20
+    top = int(args[args.index("--top") + 1]) if "--top" in args else 22
     profile = "--profile" in args
-    wants = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--calls")]
+    wants = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] not in ("--calls", "--top"))]
     for row, _, fn in itertools.chain(forward_rows(wants), backward_rows(wants)):
         for _ in range(5):
             fn()
@@ -40,8 +41,8 @@ def main():
             torch.cuda.synchronize()
             for order in ("tottime", "cumulative") if "--cumulative" in args else ("tottime",):
                 s = io.StringIO()
-                pstats.Stats(pr, stream=s).sort_stats(order).print_stats(22)
-                print(f"== {row.key} by {order} ({calls} calls)\n" + s.getvalue()[:5000], flush=True)
+                pstats.Stats(pr, stream=s).sort_stats(order).print_stats(top)
+                print(f"== {row.key} by {order} ({calls} calls)\n" + s.getvalue()[:top * 250], flush=True)
 
 
 if __name__ == "__main__":
