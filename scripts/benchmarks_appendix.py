@@ -67,7 +67,26 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-25, sixteenth; backward). Again no H200 was lent: every call asked for the nvidia-h200 kind and each ran on an
+Latest session (2026-11-26, seventeenth; backward, measurement only: no kernel changed). No H200 was lent: eight
+calls asked for the nvidia-h200 kind and each ran on an H100. `h200.jsonl` is still the twelfth session's build.
+- Where the H100 backward sits against memory bandwidth (ncu DRAM bytes of one call, ours and FlashQLA's on the same
+  inputs: `scripts/dram_bytes.sh`, `experiments/dram_bytes_bwd_h100.jsonl`,
+  `experiments/backward_bytes_and_l2_promotion_h100.md`). hk16_hv32 32k_8seq: ours moves 7.44 GB in 2.91 ms of
+  kernels, 2.56 TB/s; each of the four kernels runs at 2.4-2.7 TB/s (gdn_prepare 2.62, save build 2.69, dh chain
+  2.68, gdn_bwd_chunk 2.43), ~85% of the ~3.0 TB/s a device-to-device copy reaches on the card. FlashQLA moves
+  4.84 GB in 2.92 ms, 1.66 TB/s (its fused kernel 1.49). 8k_8seq: ours 1.85 GB at 2.36 TB/s, FlashQLA 1.06 GB at
+  1.37. So on the H100 the split backward is bound by its bytes (hs and dhs 545 MB each way, W / Vnew / X / dV
+  268 MB each), which is why the latency work of the sessions before left this row at parity there; only fewer bytes
+  move it, and in this design that is the fused backward (`docs/backward_fused_plan.md`).
+- Measured, nothing to take: the TMA descriptors' L2 promotion, a host-side field of the tensor map
+  (`scripts/l2_promotion_ab.py`, arms in turns in separate processes, with a control arm). TileLang's 128 B is the best
+  on every backward row; none, 64 B and 256 B, on gdn_bwd_chunk alone or on all four kernels, are 2-5% slower
+  (hk16_hv32 32k_8seq 2.909 ms against 3.02-3.05).
+- Host time of one backward call on this session's GPU host: 297 us (hk16_hv32 32k_8seq) and 677 us (hk4_hv8
+  32k_1seq, CP), half the sixteenth session's figures on another host (`experiments/launch_times_run2_h100.jsonl`,
+  `backward_host_profile_run2_h100.txt`).
+
+Session of 2026-11-25, sixteenth (backward). Again no H200 was lent: every call asked for the nvidia-h200 kind and each ran on an
 H100. `h200.jsonl` is still the twelfth session's build.
 - Three interleaved runs on one H100 (ours, FlashQLA, ours, ...), each row's median over the runs
   (`python -m flash_qla.bench.merge_runs`; `h100.jsonl` / `qla_h100.jsonl` now hold these backward rows, with every
