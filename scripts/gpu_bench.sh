@@ -23,7 +23,7 @@
 set -uo pipefail
 
 OUT=${1:?usage: bash scripts/gpu_bench.sh OUT_DIR [options]}; shift
-PASS=both; PEERS="qla fla"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=10; ITERS=100
+PASS=both; PEERS="qla fla"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=""; ITERS=""
 PEERS_DIR=.peers; REPORT=0; RUNS=1; PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -62,7 +62,10 @@ run_once() {  # ours, then each peer, into directory $1
   # Ours first: the process's first row then records the cold start (kernel loading) of a fresh machine.
   if [ "$RUN_OURS" = 1 ]; then
     say "flash_qla ($PASS)"
-    args=(--pass "$PASS" --backend "$BACKEND" --warmup "$WARMUP" --iters "$ITERS" --out "$dir/ours.jsonl" --append)
+    # eager call counts: peer_bench.py's do_bench time budgets unless --warmup / --iters pin them
+    args=(--pass "$PASS" --backend "$BACKEND" --out "$dir/ours.jsonl" --append)
+    [ -n "$WARMUP" ] && args+=(--warmup "$WARMUP")
+    [ -n "$ITERS" ] && args+=(--iters "$ITERS")
     [ -n "$ROWS" ] && args+=(--rows "$ROWS")
     # -m from the repository root runs this checkout's flash_qla; no PYTHONPATH here on purpose, since
     # the peers' bundle holds FlashQLA under the same import name.

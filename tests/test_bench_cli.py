@@ -2,6 +2,7 @@
 import json
 import math
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -115,3 +116,26 @@ def test_module_entry_point_runs(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(read_jsonl(out)) == 2 and "[2/2] fwd|tiny-gva|40+70" in proc.stderr
+
+
+def test_eager_counts_follow_peer_bench_time_budgets():
+    """Without --warmup / --iters the eager call counts come from do_bench's budgets (10 ms, 60 ms), as peer_bench.py
+    times the peers: a 4 ms call gets ~2 warm-up and ~15 timed calls, a 0.5 ms call ~20 and ~120."""
+    from flash_qla.bench import timing
+    for call_ms, want_warmup, want_iters in ((4.0, 2, 15), (0.5, 20, 120)):
+        def call(seconds=call_ms / 1e3):
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        warmup, iters = timing.eager_counts(call, torch.device("cpu"))
+        assert abs(warmup - want_warmup) <= max(1, want_warmup // 4), (call_ms, warmup)
+        assert abs(iters - want_iters) <= want_iters // 4, (call_ms, iters)
+
+
+def test_cli_default_counts_are_recorded(tmp_path):
+    out = tmp_path / "r.jsonl"
+    args = CPU_ARGS[:-4]  # without --warmup / --iters
+    assert cli.main(args + ["--pass", "bwd", "--rows", "3seq", "--out", str(out)]) == 0
+    for r in read_jsonl(out):
+        assert r["eager_budget_ms"] == [10.0, 60.0]
+        assert r["warmup"] >= 1 and r["iters"] >= 1

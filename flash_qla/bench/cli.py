@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", help="keep only rows whose 'pass|model|seqs' key contains this substring")
     p.add_argument("--backend", choices=("auto", "kernels", "reference"), default="auto")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    p.add_argument("--warmup", type=int, default=10, help="untimed eager calls per row before timing")
-    p.add_argument("--iters", type=int, default=100, help="timed eager calls per row (median reported)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed eager calls per row before timing (default: 10 ms worth, as peer_bench.py's do_bench)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed eager calls per row, median reported (default: 60 ms worth, as peer_bench.py's do_bench)")
     return p
 
 
@@ -57,7 +59,7 @@ def resolve_device(name: str) -> torch.device:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.warmup < 0 or args.iters < 1:
+    if (args.warmup is not None and args.warmup < 0) or (args.iters is not None and args.iters < 1):
         raise SystemExit("flash_qla.bench: --warmup must be >= 0 and --iters >= 1")
     device = resolve_device(args.device)
     try:

@@ -47,8 +47,10 @@ def base_record(row: BenchRow, device: torch.device, backend: str) -> dict:
                 backend=backend, torch=torch.__version__)
 
 
-def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: int, iters: int,
+def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: Optional[int], iters: Optional[int],
                 first_in_process: bool) -> dict:
+    """One row's record. warmup / iters: the eager calls; None picks them as peer_bench.py's do_bench does, from
+    its time budgets (timing.eager_counts), so both libraries' graph timings follow the same eager phase."""
     record = base_record(row, device, resolved_backend(device, backend))
     record["first_in_process"] = first_in_process
     timing.reset_peak_memory(device)
@@ -69,6 +71,11 @@ def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: int, 
         call = backward_call(x, *holder["saved"], backend)
 
     record["first_call_s"] = round(first_s, 3)
+    budget = warmup is None or iters is None
+    if budget:
+        counted_warmup, counted_iters = timing.eager_counts(call, device)
+        warmup = counted_warmup if warmup is None else warmup
+        iters = counted_iters if iters is None else iters
     record["eager_ms"] = round(timing.eager_median_ms(call, device, warmup, iters), 4)
     peak = timing.peak_mb(device)
     graph_ms, graph_error = timing.graph_median_ms(call, device)
@@ -76,6 +83,8 @@ def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: int, 
     record["peak_mem_mb"] = _round(peak, 1)
     record["inputs_mem_mb"] = _round(inputs_mb, 1)
     record["warmup"], record["iters"] = warmup, iters
+    if budget:
+        record["eager_budget_ms"] = [timing.PEER_WARMUP_MS, timing.PEER_REP_MS]
     if graph_error and device.type == "cuda":
         record["graph_error"] = graph_error
     return record

@@ -2,9 +2,13 @@
 
 They mirror ``../shared/peers/peer_bench.py`` so that our numbers and the peers' compare:
 
-* eager: ``triton.testing.do_bench(fn, return_mode="median")`` semantics without needing Triton: one
-  CUDA-event pair around each call, the 256 MB L2 scratch zeroed before each call (so every call
-  starts with a cold L2, as in do_bench), median over calls. On the CPU, ``time.perf_counter``.
+* eager: ``triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")`` semantics (peer_bench.py's call)
+  without needing Triton: the call counts come from a time budget (``eager_counts``: five calls estimate one call's
+  time, then 10 ms of warm-up calls and 60 ms of timed calls), one CUDA-event pair around each call, the 256 MB L2
+  scratch zeroed before each call (so every call starts with a cold L2, as in do_bench), median over calls. On the
+  CPU, ``time.perf_counter``. The counts matter beyond the eager figure: the graph timing follows them, and a longer
+  eager phase (100 calls of a 3 ms row against do_bench's ~20) left the GPU in a state that cost the graph median of
+  the 32k backward rows ~1% on an H100 (bench/results/experiments/bench_eager_counts_h100.md).
 * graph: capture one call after three side-stream warm-ups, then ``rounds`` rounds of ``replays``
   back-to-back replays, median of the per-replay means (peer_bench.py's 20 x 5).
 """
@@ -18,6 +22,9 @@ import torch
 
 GRAPH_REPLAYS = 20
 GRAPH_ROUNDS = 5
+PEER_WARMUP_MS = 10.0  # peer_bench.py: triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
+PEER_REP_MS = 60.0
+ESTIMATE_CALLS = 5     # do_bench's estimate of one call's time
 L2_SCRATCH_BYTES = 256 * 1000 * 1000  # do_bench's empty-cache buffer: larger than any Hopper L2
 
 _l2_scratch: Optional[torch.Tensor] = None
@@ -60,6 +67,30 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int)
     host = (time.perf_counter() - start) / calls * 1e6
     synchronize(device)
     return host
+
+
+def eager_counts(fn: Callable[[], object], device: torch.device, warmup_ms: float = PEER_WARMUP_MS,
+                 rep_ms: float = PEER_REP_MS) -> Tuple[int, int]:
+    """(warm-up calls, timed calls) for time budgets, as do_bench picks them: one call, then ESTIMATE_CALLS calls each
+    after an L2 flush, timed together; then max(1, budget / estimate) calls of each kind."""
+    fn()
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(ESTIMATE_CALLS):
+            _flush_l2(device)
+            fn()
+        end.record()
+        synchronize(device)
+        estimate_ms = start.elapsed_time(end) / ESTIMATE_CALLS
+    else:
+        began = time.perf_counter()
+        for _ in range(ESTIMATE_CALLS):
+            fn()
+        estimate_ms = 1e3 * (time.perf_counter() - began) / ESTIMATE_CALLS
+    estimate_ms = max(estimate_ms, 1e-6)
+    return max(1, int(warmup_ms / estimate_ms)), max(1, int(rep_ms / estimate_ms))
 
 
 def eager_median_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
