@@ -82,6 +82,17 @@ calls asked for the nvidia-h200 kind and each ran on an H100. `h200.jsonl` is st
   (`scripts/l2_promotion_ab.py`, arms in turns in separate processes, with a control arm). TileLang's 128 B is the best
   on every backward row; none, 64 B and 256 B, on gdn_bwd_chunk alone or on all four kernels, are 2-5% slower
   (hk16_hv32 32k_8seq 2.909 ms against 3.02-3.05).
+- Fixed in the bench (no kernel change): its eager timing ran a fixed 10 + 100 calls a row, where peer_bench.py's
+  `do_bench(call, warmup=10, rep=60)` runs ~3 + 20 on a 3 ms row, and each row's graph timing follows its eager
+  phase. On one H100, hk16_hv32 32k_8seq's graph median was 2.922 / 2.927 ms after 100 eager calls, 2.900 / 2.904
+  after 20, and 2.902 / 2.904 with no eager phase (`experiments/bench_eager_counts_ab_h100.jsonl`). The bench now
+  picks its eager counts from do_bench's time budgets (`timing.eager_counts`), so both libraries are timed after the
+  same eager phase. Three interleaved runs each on one H100 (`h100.jsonl` / `qla_h100.jsonl` now hold these backward
+  rows; `experiments/bwd_three_runs_do_bench_counts_h100.jsonl`, `qla_...`): backward graph geomean 1.145x
+  FlashQLA, every row above it but hk16_hv32 32k_8seq, 0.999x (ours 2.933 / 2.932 / 2.928 ms, FlashQLA 2.929 / 2.926
+  / 2.932); eager geomean 1.20x (min 0.985, hk4_hv8 32k_1seq). Before the fix, on the same card the same session
+  (`experiments/bwd_three_runs_seventeenth_fixed_counts_h100.jsonl`): 1.147x, 32k_8seq 0.996x (2.966 / 2.957 / 2.952
+  against 2.945 / 2.947 / 2.930). The sixteenth session's rows are in `experiments/bwd_three_runs_h100.jsonl`.
 - Host time of one backward call on this session's GPU host: 297 us (hk16_hv32 32k_8seq) and 677 us (hk4_hv8
   32k_1seq, CP), half the sixteenth session's figures on another host (`experiments/launch_times_run2_h100.jsonl`,
   `backward_host_profile_run2_h100.txt`).
