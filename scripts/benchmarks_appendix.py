@@ -67,7 +67,7 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-26, seventeenth; backward, measurement only: no kernel changed). No H200 was lent: eight
+Latest session (2026-11-26, seventeenth; backward, measurement only: no kernel changed). No H200 was lent: eleven
 calls asked for the nvidia-h200 kind and each ran on an H100. `h200.jsonl` is still the twelfth session's build.
 - Where the H100 backward sits against memory bandwidth (ncu DRAM bytes of one call, ours and FlashQLA's on the same
   inputs: `scripts/dram_bytes.sh`, `experiments/dram_bytes_bwd_h100.jsonl`,

@@ -25,29 +25,33 @@ def kernels(path):
     return [(name, metrics) for (_, name), metrics in sorted(found.items())]
 
 
+def record(lib, model, seqs, kernel, read, write, us):
+    """One JSON line: bytes in MB, time in us, the achieved DRAM rate."""
+    return {"lib": lib, "model": model, "seqs": seqs, "kernel": kernel, "read_mb": round(read / 1e6, 1),
+            "write_mb": round(write / 1e6, 1), "us": round(us, 1),
+            "tb_per_s": round((read + write) / us / 1e6, 2) if us else None}
+
+
 def main():
     args = sys.argv[1:]
     out = open(args[args.index("--jsonl") + 1], "w") if "--jsonl" in args else None
     paths = [a for i, a in enumerate(args) if a != "--jsonl" and (i == 0 or args[i - 1] != "--jsonl")]
     for path in paths:
         lib, rest = os.path.basename(path)[:-4].split("_", 1)
-        model, seqs = rest.rsplit("_", 2)[0], "_".join(rest.rsplit("_", 2)[1:])
+        model, length, count = rest.rsplit("_", 2)  # hk16_hv32 _ 32k _ 8seq
+        seqs = f"{length}_{count}"
         print(f"== {lib} {model} {seqs}")
         total = {"read": 0.0, "write": 0.0, "us": 0.0}
         for name, m in kernels(path):
             rd, wr, us = m["dram__bytes_read.sum"], m["dram__bytes_write.sum"], m["gpu__time_duration.sum"]
             for key, value in (("read", rd), ("write", wr), ("us", us)):
                 total[key] += value
-            rec = {"lib": lib, "model": model, "seqs": seqs, "kernel": name.split("(")[0][:60],
-                   "read_mb": round(rd / 1e6, 1), "write_mb": round(wr / 1e6, 1), "us": round(us, 1),
-                   "tb_per_s": round((rd + wr) / us / 1e6, 2) if us else None}
+            rec = record(lib, model, seqs, name.split("(")[0][:60], rd, wr, us)
             print(f"  {rec['kernel'][:44]:44s} read {rec['read_mb']:8.1f} MB  write {rec['write_mb']:8.1f} MB  "
                   f"{us:8.1f} us  {rec['tb_per_s']} TB/s")
             if out:
                 out.write(json.dumps(rec) + "\n")
-        rec = {"lib": lib, "model": model, "seqs": seqs, "kernel": "TOTAL", "read_mb": round(total["read"] / 1e6, 1),
-               "write_mb": round(total["write"] / 1e6, 1), "us": round(total["us"], 1),
-               "tb_per_s": round((total["read"] + total["write"]) / total["us"] / 1e6, 2)}
+        rec = record(lib, model, seqs, "TOTAL", total["read"], total["write"], total["us"])
         print(f"  TOTAL {rec['read_mb'] + rec['write_mb']:.0f} MB in {rec['us'] / 1e3:.3f} ms of kernels: "
               f"{rec['tb_per_s']} TB/s")
         if out:
