@@ -30,7 +30,7 @@ def main():
 ```
 
 `python ../shared/bench/compare.py bench/results/h200.jsonl --pass bwd --vs qla` (also `bench/results/compare_bwd_vs_qla.txt`;
-FlashQLA's backward was re-timed on an H200 in the same session: `bench/results/qla_h200.jsonl`, within 1% of the anchors):
+FlashQLA's backward was re-timed on the same H200 in the same call: `bench/results/qla_h200.jsonl`, within 1% of the anchors):
 
 ```
 {bwd}
@@ -67,8 +67,26 @@ experiment records are in `bench/results/experiments/`):
   recompute runs intra-card CP (the forward's tables, pre-pass and combine give each segment's entering state, the
   save build runs the segments): hk4_hv8 32k_1seq 2.99 -> 2.36 ms; per-chunk state tensors zero only the tail slots.
 
-Latest session (2026-11-26, seventeenth; backward, measurement only: no kernel changed). No H200 was lent: eleven
-calls asked for the nvidia-h200 kind and each ran on an H100. `h200.jsonl` is still the twelfth session's build.
+Latest session (2026-11-26, eighteenth; backward). An H200 was lent for the first time since the twelfth session, and
+the committed build (no kernel change since the seventeenth session) was validated and timed on it in one call
+(`scripts/h200_backward_evidence.sh`): 293 GPU tests passed, memcheck and racecheck clean
+(`gpu_validate_h200.log`, `gpu_tests_h200.log`), then ours and FlashQLA in turns, three runs each, each row's median
+(`gpu_bench_bwd_h200.log`; `h200.jsonl` / `qla_h200.jsonl` hold these backward rows, the twelfth session's in
+`experiments/bwd_rows_twelfth_session_h200.jsonl` / `qla_bwd_rows_twelfth_session_h200.jsonl`).
+- Every backward row is above FlashQLA timed beside it (graph ms, ours / FlashQLA): hk16_hv32 8k_1seq 0.713 / 0.823
+  (1.15x), 8k_8seq 0.711 / 0.748 (1.05x), 32k_1seq 2.745 / 2.976 (1.08x), 32k_8seq 2.599 / 2.704 (1.04x); hk4_hv8
+  8k_1seq 0.286 / 0.362 (1.26x), 8k_8seq 0.244 / 0.402 (1.65x), 32k_1seq 0.874 / 0.900 (1.03x), 32k_8seq 0.772 /
+  0.850 (1.10x). Graph geomean 1.16x; eager geomean 1.15x (min 1.01x, hk4_hv8 32k_1seq). Run-to-run spread of ours
+  <= 1% on every row (32k_8seq 2.594 / 2.599 / 2.620).
+- Against the twelfth session's H200 rows: 32k_8seq 2.754 -> 2.599 ms, 32k_1seq 3.030 -> 2.745, 8k_8seq 0.739 ->
+  0.711. The fifteenth session's prediction for 32k_8seq (~2.67 ms, its H100 gains carried over) was 0.07 ms
+  pessimistic; where the difference comes from was not measured (no per-kernel split on the H200 this session).
+- compare.py's bar passes: `--pass bwd --vs qla --min-ratio 1.0` exits 0 (min 1.03x against the anchors), geomean
+  1.11x the best peer; the one row below the best peer is hk16_hv32 32k_1seq at 0.92x FlashQLA's published 2.515 ms
+  (its measured FlashQLA here: 2.976).
+
+Session of 2026-11-26, seventeenth (backward, measurement only: no kernel changed). No H200 was lent: eleven
+calls asked for the nvidia-h200 kind and each ran on an H100.
 - Where the H100 backward sits against memory bandwidth (ncu DRAM bytes of one call, ours and FlashQLA's on the same
   inputs: `scripts/dram_bytes.sh`, `experiments/dram_bytes_bwd_h100.jsonl`,
   `experiments/backward_bytes_and_l2_promotion_h100.md`). hk16_hv32 32k_8seq: ours moves 7.44 GB in 2.91 ms of
