@@ -84,6 +84,11 @@ the committed build (no kernel change since the seventeenth session) was validat
 - compare.py's bar passes: `--pass bwd --vs qla --min-ratio 1.0` exits 0 (min 1.03x against the anchors), geomean
   1.11x the best peer; the one row below the best peer is hk16_hv32 32k_1seq at 0.92x FlashQLA's published 2.515 ms
   (its measured FlashQLA here: 2.976).
+- Measured, not shipped: gdn_bwd_chunk split by role over warpgroups (`aot/experimental/gdn_bwd_chunk_ws.py`; a
+  producer warp, dq / dk of the whole GVA group in one accumulator each, the C x C epilogue on its own warpgroup under
+  the next v-head's V loop). Correct on the H200 (96 GPU backward / CP tests through it) but 7-8% slower than the
+  shipped kernel (32k_8seq 1.408 vs 1.311 ms alone); its V loops alone already take as long as the whole shipped
+  kernel (`experiments/gdn_bwd_chunk_warp_specialised_h200.md`).
 
 Session of 2026-11-26, seventeenth (backward, measurement only: no kernel changed). No H200 was lent: eleven
 calls asked for the nvidia-h200 kind and each ran on an H100.

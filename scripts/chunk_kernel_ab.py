@@ -69,6 +69,25 @@ def rows_option(args: list, default: list) -> list:
     return rows
 
 
+def time_in_turns(builds, stage_inputs, each=None, reps=15) -> dict:
+    """{build name: median ms} of the chunk kernel from each build in turns on the same inputs (the first three
+    calls of each left out); each(rep, name, outputs), if given, sees every call's (dq, dk, dbeta, dg)."""
+    p, st, stage = stage_inputs
+    times = {n: [] for n in builds}
+    for rep in range(reps):
+        for name, kern in builds.items():
+            use(kern)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = backward._chunk_kernel(p, st, *stage)
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b))
+            if each is not None:
+                each(rep, name, out)
+    return {n: round(statistics.median(v[3:]), 4) for n, v in times.items()}
+
+
 def main():
     args = sys.argv[1:]
     rows = rows_option(args, ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"])
@@ -77,25 +96,17 @@ def main():
     for row in iter_rows(load_matrix(), ("bwd",), ""):
         if not any(w in row.key for w in rows):
             continue
-        p, st, stage = chunk_stage_inputs(row)
-        times = {n: [] for n in builds}
-        ref = None
-        for rep in range(15):
-            for name, kern in builds.items():
-                use(kern)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                out = backward._chunk_kernel(p, st, *stage)
-                b.record()
-                torch.cuda.synchronize()
-                times[name].append(a.elapsed_time(b))
-                if rep == 0:  # every build must give the same gradients (bit for bit: same math, same order)
-                    if ref is None:
-                        ref = [t.clone() for t in out]
-                    same = all(torch.equal(u, v) for u, v in zip(ref, out))
-                    print(json.dumps({"row": row.key, "build": name, "same_as_first": same}), flush=True)
-        print(json.dumps({"row": row.key, **{n: round(statistics.median(v[3:]), 4) for n, v in times.items()}}),
-              flush=True)
+        ref = []
+
+        def same_as_first(rep, name, out, row=row, ref=ref):
+            if rep == 0:  # every build must give the same gradients (bit for bit: same math, same order)
+                if not ref:
+                    ref.extend(t.clone() for t in out)
+                same = all(torch.equal(u, v) for u, v in zip(ref, out))
+                print(json.dumps({"row": row.key, "build": name, "same_as_first": same}), flush=True)
+
+        medians = time_in_turns(builds, chunk_stage_inputs(row), same_as_first)
+        print(json.dumps({"row": row.key, **medians}), flush=True)
 
 
 if __name__ == "__main__":
