@@ -87,8 +87,9 @@ the committed build (no kernel change since the seventeenth session) was validat
 - Measured, not shipped: gdn_bwd_chunk split by role over warpgroups (`aot/experimental/gdn_bwd_chunk_ws.py`; a
   producer warp, dq / dk of the whole GVA group in one accumulator each, the C x C epilogue on its own warpgroup under
   the next v-head's V loop). Correct on the H200 (96 GPU backward / CP tests through it) but 7-8% slower than the
-  shipped kernel (32k_8seq 1.408 vs 1.311 ms alone); its V loops alone already take as long as the whole shipped
-  kernel (`experiments/gdn_bwd_chunk_warp_specialised_h200.md`).
+  shipped kernel (32k_8seq 1.408 vs 1.311 ms alone). With PA's epilogue work skipped it takes 0.913 ms, so that
+  128-thread epilogue (~11 us a v-head) is what sets its pace
+  (`experiments/gdn_bwd_chunk_warp_specialised_h200.md`).
 
 Session of 2026-11-26, seventeenth (backward, measurement only: no kernel changed). No H200 was lent: eleven
 calls asked for the nvidia-h200 kind and each ran on an H100.

@@ -23,7 +23,8 @@ l2norm is not supported here (gdn_bwd_chunk would stay for it).
 
 Status (eighteenth session, H200, bf16 K = V = 128 only; bench/results/experiments/gdn_bwd_chunk_warp_specialised_h200.md):
 correct (the 96 non-l2norm backward / CP GPU tests pass with it in place of gdn_bwd_chunk, repeats bit-identical) but
-7-8% slower than gdn_bwd_chunk on every row timed (hk16_hv32 32k_8seq 1.408 vs 1.311 ms). dq differs from
+7-8% slower than gdn_bwd_chunk on every row timed (hk16_hv32 32k_8seq 1.408 vs 1.311 ms). With PA's work skipped
+(timing-only) it takes 0.913 ms against 1.350: PA's 128-thread epilogue (~11 us a v-head) sets the pace. dq differs from
 gdn_bwd_chunk's by 2.5e-3 relative L2: the pre-scaled dO operand is rounded to bf16 once more. Build it with
   python scripts/experiment_kernel_dir.py .exp/ws aot.experimental.gdn_bwd_chunk_ws gdn_bwd_chunk "{'dtype': 'bf16', 'K': 128, 'V': 128}"
 and time it with scripts/chunk_kernel_compare.py (NAME=dir:.exp/ws).
