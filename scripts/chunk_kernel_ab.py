@@ -88,25 +88,35 @@ def time_in_turns(builds, stage_inputs, each=None, reps=15) -> dict:
     return {n: round(statistics.median(v[3:]), 4) for n, v in times.items()}
 
 
-def main():
+def over_rows(default_rows: list, check) -> None:
+    """The command line KEY NAME=SPEC [...] [--rows SUB[,SUB...]]: for each selected backward row, time the builds in
+    turns (time_in_turns) and print their medians; check(row, ref, rep, name, outputs) sees every call, with ref a
+    list it may fill with the first call's outputs."""
     args = sys.argv[1:]
-    rows = rows_option(args, ["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"])
+    rows = rows_option(args, default_rows)
     key, specs = args[0], args[1:]
     builds = kernels(key, specs)
     for row in iter_rows(load_matrix(), ("bwd",), ""):
         if not any(w in row.key for w in rows):
             continue
         ref = []
-
-        def same_as_first(rep, name, out, row=row, ref=ref):
-            if rep == 0:  # every build must give the same gradients (bit for bit: same math, same order)
-                if not ref:
-                    ref.extend(t.clone() for t in out)
-                same = all(torch.equal(u, v) for u, v in zip(ref, out))
-                print(json.dumps({"row": row.key, "build": name, "same_as_first": same}), flush=True)
-
-        medians = time_in_turns(builds, chunk_stage_inputs(row), same_as_first)
+        medians = time_in_turns(builds, chunk_stage_inputs(row),
+                                lambda rep, name, out, row=row, ref=ref: check(row, ref, rep, name, out))
         print(json.dumps({"row": row.key, **medians}), flush=True)
+
+
+def same_as_first(row, ref, rep, name, out) -> None:
+    """Every build must give the first build's gradients bit for bit (same math, same order): checked at the first
+    turn."""
+    if rep == 0:
+        if not ref:
+            ref.extend(t.clone() for t in out)
+        same = all(torch.equal(u, v) for u, v in zip(ref, out))
+        print(json.dumps({"row": row.key, "build": name, "same_as_first": same}), flush=True)
+
+
+def main():
+    over_rows(["hk16_hv32|32k_1seq", "hk4_hv8|32k_1seq"], same_as_first)
 
 
 if __name__ == "__main__":

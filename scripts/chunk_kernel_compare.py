@@ -11,9 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from chunk_kernel_ab import chunk_stage_inputs, kernels, rows_option, time_in_turns  # noqa: E402
-
-from flash_qla.bench.matrix import iter_rows, load_matrix  # noqa: E402
+from chunk_kernel_ab import over_rows  # noqa: E402
 
 NAMES = ("dq", "dk", "dbeta", "dg")
 
@@ -28,26 +26,19 @@ def differences(ref, out):
     return res
 
 
+def against_first(row, ref, rep, name, out) -> None:
+    """The first call is the reference; at the first and last turn every other call is compared to it (a race shows
+    as a build differing from itself)."""
+    if rep in (0, 14):
+        if not ref:
+            ref.extend(t.clone() for t in out)
+        else:
+            print(json.dumps({"row": row.key, "build": name, "rep": rep, "vs_first": differences(ref, out)}),
+                  flush=True)
+
+
 def main():
-    args = sys.argv[1:]
-    rows = rows_option(args, ["hk16_hv32|8k_8seq", "hk16_hv32|32k_8seq", "hk4_hv8|32k_1seq"])
-    key, specs = args[0], args[1:]
-    builds = kernels(key, specs)
-    for row in iter_rows(load_matrix(), ("bwd",), ""):
-        if not any(w in row.key for w in rows):
-            continue
-        ref = []
-
-        def against_first(rep, name, out, row=row, ref=ref):
-            if rep in (0, 14):  # the first and last turn: a race shows as a build differing from itself
-                if not ref:
-                    ref.extend(t.clone() for t in out)
-                else:
-                    print(json.dumps({"row": row.key, "build": name, "rep": rep,
-                                      "vs_first": differences(ref, out)}), flush=True)
-
-        medians = time_in_turns(builds, chunk_stage_inputs(row), against_first)
-        print(json.dumps({"row": row.key, **medians}), flush=True)
+    over_rows(["hk16_hv32|8k_8seq", "hk16_hv32|32k_8seq", "hk4_hv8|32k_1seq"], against_first)
 
 
 if __name__ == "__main__":
