@@ -1,165 +1,177 @@
-"""The report step: BENCHMARKS.md tables and PNG plots regenerated from JSONL fixtures (CPU, seconds)."""
+"""benchmarks.report: BENCHMARKS.md and its figures regenerated from per-card result folders (CPU, seconds)."""
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
-
-from flash_qla.bench import report  # noqa: E402
-from flash_qla.bench.matrix import all_rows, load_matrix  # noqa: E402
-from flash_qla.bench.roofline import floor_ms  # noqa: E402
+from benchmarks import report
+from benchmarks.cards import CardError, load_card
+from benchmarks.roofline import floor_ms
+from flash_qla.bench.matrix import all_rows, load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_BENCH = ROOT.parent / "shared" / "bench"
-FIXTURES = ROOT / "tests" / "data" / "bench"
-SPEEDUP = 1.25  # the fake "ours" is the anchors' FlashQLA rows made this much faster
-FAILED_KEY = "fwd|TP8|1x2048"  # written as a row that raised
+SHARED_COMPARE = ROOT.parent / "shared" / "bench" / "compare.py"
+PEER_ROWS = ROOT / "tests" / "data" / "bench" / "anchors_small.jsonl"   # qla and fla rows of an H200
+SPEEDUP = 1.25          # the fake "ours" is FlashQLA's rows made this much faster
+FAILED_KEY = "fwd|TP8|1x8192"
 
 
-def peer_files():
-    """The real anchors and published table when ../shared is there, else small copies of them."""
-    if (SHARED_BENCH / "anchors_h200.jsonl").exists() and (SHARED_BENCH / "published_h200.json").exists():
-        return SHARED_BENCH / "anchors_h200.jsonl", SHARED_BENCH / "published_h200.json"
-    return FIXTURES / "anchors_small.jsonl", FIXTURES / "published_small.json"
+def key(r):
+    return f"{r['pass_']}|{r['model']}|{r['seqs']}"
 
 
-def write_fake_ours(anchors: Path, path: Path, drop_key: str) -> dict:
-    """Our rows = the anchors' qla rows scaled; one row left out and one failed, to check 'missing'."""
+def make_card(folder: Path, device="NVIDIA H200", backend="kernels", peers=("qla", "fla"), logs=True) -> dict:
+    """A result folder: ours = qla's rows / SPEEDUP except one failed row; qla.jsonl, fla.jsonl from the fixture."""
+    folder.mkdir(parents=True)
+    rows = [json.loads(line) for line in PEER_ROWS.read_text().splitlines()]
     ours = {}
-    with open(path, "w") as out:
-        for line in open(anchors):
-            r = json.loads(line)
-            key = f"{r['pass_']}|{r['model']}|{r['seqs']}"
-            if r["lib"] != "qla" or key in (drop_key, FAILED_KEY):
+    with open(folder / "ours.jsonl", "w") as out:
+        for r in rows:
+            if r["lib"] != "qla":
                 continue
-            r.update(lib="flash_qla_aot", version="0.1.0", backend="kernels", peak_mem_mb=512.0,
-                     graph_ms=round(r["graph_ms"] / SPEEDUP, 4), eager_ms=round(r["eager_ms"] / SPEEDUP, 4),
-                     first_in_process=not ours)
-            ours[key] = r
-            out.write(json.dumps(r) + "\n")
-        failed = dict(lib="flash_qla_aot", version="0.1.0", device="NVIDIA H200", pass_="fwd", model="TP8",
-                      hq=2, hv=8, seqs="1x2048", eager_ms=None, graph_ms=None, first_call_s=None,
-                      backend="kernels", error="RuntimeError: planted failure")
-        out.write(json.dumps(failed) + "\n")
+            mine = dict(r, lib="flash_qla_aot", version="0.1.0", device=device, backend=backend, torch="2.13.0",
+                        peak_mem_mb=512.0, graph_ms=round(r["graph_ms"] / SPEEDUP, 4),
+                        eager_ms=round(r["eager_ms"] / SPEEDUP, 4), first_in_process=not ours)
+            if key(r) == FAILED_KEY:
+                mine.update(graph_ms=None, eager_ms=None, error="RuntimeError: planted failure")
+            ours[key(r)] = mine
+            out.write(json.dumps(mine) + "\n")
+    for lib in peers:
+        (folder / f"{lib}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["lib"] == lib))
+    (folder / "host_overhead.json").write_text(json.dumps({"api_call_us": 105.4, "launch": {"raw_us": 5.2}}))
+    if logs:
+        (folder / "gpu_tests.log").write_text("....\n293 passed in 27.53s\n")
+        (folder / "memcheck.log").write_text("sanitize case ok\n========= ERROR SUMMARY: 0 errors\n")
     return ours
 
 
-def table_lines(text: str, pass_: str):
-    section = text.split(f"({pass_})", 1)[1].split("\n## ", 1)[0]
+def table_lines(text: str, card: str, pass_: str):
+    section = text.split(f"### {card} ", 1)[1].split(f"({pass_})", 1)[1].split("\n### ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| ")]
+
+
+def cells(header_line: str, line: str) -> dict:
+    split = lambda s: [c.strip() for c in s.strip().strip("|").split("|")]  # noqa: E731
+    return dict(zip(split(header_line), split(line)))
 
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     """Generated once for the module: plotting is the slow part."""
-    tmp_path = tmp_path_factory.mktemp("report")
-    anchors, published = peer_files()
-    drop_key = "fwd|TP8|1x8192"
-    ours = write_fake_ours(anchors, tmp_path / "ours.jsonl", drop_key)
-    out, plots = tmp_path / "BENCHMARKS.md", tmp_path / "docs"
-    argv = ["--ours", str(tmp_path / "ours.jsonl"), "--peers", str(anchors), "--published", str(published),
-            "--out", str(out), "--plots", str(plots)]
+    pytest.importorskip("matplotlib")
+    tmp = tmp_path_factory.mktemp("report")
+    ours = make_card(tmp / "results" / "h200")
+    out, figures = tmp / "BENCHMARKS.md", tmp / "docs" / "figures"
+    argv = [str(tmp / "results" / "h200"), "--out", str(out), "--plots", str(figures)]
     assert report.main(argv) == 0
-    return dict(text=out.read_text(), plots=plots, ours=ours, drop_key=drop_key, argv=argv, out=out,
-                published=json.loads(published.read_text())["rows"])
+    return dict(text=out.read_text(), figures=figures, ours=ours, argv=argv, out=out)
 
 
-def test_tables_have_every_matrix_row_and_the_ratios(generated):
+def test_every_matrix_row_with_its_ratios(generated):
     text, ours = generated["text"], generated["ours"]
-    matrix = load_matrix()
+    peers = {(r["lib"], key(r)): r for r in map(json.loads, PEER_ROWS.read_text().splitlines())}
     for pass_ in ("fwd", "bwd"):
-        lines = table_lines(text, pass_)
-        header = [c.strip() for c in lines[0].strip("|").split("|")]
-        assert header[:5] == ["row", "tokens", "ours graph ms", "ours eager ms", "peak MB"]
-        assert header[-5:] == ["best peer", "x best", "x qla", "floor ms", "% floor"]
-        assert "qla anchor" in header and "fla anchor" in header
-        rows = all_rows(matrix, (pass_,))
+        lines = table_lines(text, "H200", pass_)
+        rows = all_rows(load_matrix(), (pass_,))
         assert len(lines) == 2 + len(rows)  # header, separator, one line per matrix row
+        assert lines[0].startswith("| row | tokens | ours ms | qla ms | fla ms | x best | x qla |")
         for row, line in zip(rows, lines[2:]):
-            cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
-            assert cells["row"] == f"{row.model} {row.label}"
-            assert cells["floor ms"] == f"{floor_ms(row.pass_, row.seqlens, row.hq, row.hv, 'H200'):.3f}"
-            if row.key not in ours:
-                assert cells["ours graph ms"] == "missing" and cells["x best"] == "–"
+            c = cells(lines[0], line)
+            assert c["row"] == f"{row.model} {row.label}"
+            assert c["floor ms"] == f"{floor_ms(row.pass_, row.seqlens, row.hq, row.hv, 'H200'):.3f}"
+            mine = ours.get(row.key, {}).get("graph_ms")
+            if mine is None:
+                assert c["ours ms"] == "missing" and c["x best"] == "–" and c["% floor"] == "–"
                 continue
-            mine = ours[row.key]["graph_ms"]
-            assert cells["ours graph ms"] == f"{mine:.3f}"
-            assert cells["x qla"] == f"{ours[row.key]['graph_ms'] * SPEEDUP / mine:.2f}"
-            peers = [float(cells[h]) for h in header[5:-5] if cells[h] != "–"]
-            assert cells["x best"] == f"{min(peers) / mine:.2f}"
-    assert f"| {generated['drop_key'].split('|')[1]} {generated['drop_key'].split('|')[2]} |" in text
-    assert "`fwd|TP8|1x2048`: RuntimeError: planted failure" in text
+            qla, fla = peers[("qla", row.key)]["graph_ms"], peers[("fla", row.key)]["graph_ms"]
+            assert c["x qla"] == f"{qla / mine:.2f}"
+            assert c["x best"] == f"{min(qla, fla) / mine:.2f}"
+            eager = ours[row.key]["eager_ms"]
+            best_eager = min(peers[(lib, row.key)]["eager_ms"] for lib in ("qla", "fla"))
+            assert c["x best eager"] == f"{best_eager / eager:.2f}"
+    assert f"`{FAILED_KEY}`: RuntimeError: planted failure" in text
+    assert "- rows measured: 2 of 32" in text  # the fixture times 3 forward rows, one of them failed
 
 
-def test_plots_written_linked_and_deterministic(generated):
-    names = sorted(p.name for p in generated["plots"].iterdir())
-    assert names == ["bench_bwd_latency.png", "bench_bwd_speedup.png", "bench_fwd_latency.png",
-                     "bench_fwd_speedup.png"]
-    first = {n: (generated["plots"] / n).read_bytes() for n in names}
+def test_summary_host_cost_and_logs(generated):
+    text = generated["text"]
+    assert "- graph: x best peer geomean 1.25x" in text and "x qla geomean 1.25x" in text
+    assert "| `api_call_us` | 105.4 |" in text and "| `launch.raw_us` | 5.2 |" in text
+    assert "`h200/gpu_tests.log`: `293 passed in 27.53s`" in text
+    assert "`h200/memcheck.log`: `========= ERROR SUMMARY: 0 errors`" in text
+    assert "warning" not in text
+
+
+def test_figures_written_linked_and_deterministic(generated):
+    names = sorted(p.name for p in generated["figures"].iterdir())
+    assert names == ["h200_bwd_latency.png", "h200_bwd_speedup.png", "h200_fwd_latency.png",
+                     "h200_fwd_speedup.png"]
+    first = {n: (generated["figures"] / n).read_bytes() for n in names}
     assert all(data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000 for data in first.values())
     for n in names:
-        assert f"](docs/{n})" in generated["text"]
+        assert f"](docs/figures/{n})" in generated["text"]
     assert report.main(generated["argv"]) == 0  # regenerating from the same inputs changes nothing
-    assert {n: (generated["plots"] / n).read_bytes() for n in names} == first
+    assert {n: (generated["figures"] / n).read_bytes() for n in names} == first
     assert generated["out"].read_text() == generated["text"]
 
 
-def test_fresh_peer_runs_are_columns_and_qla_reference(tmp_path):
-    anchors, published = peer_files()
-    write_fake_ours(anchors, tmp_path / "ours.jsonl", drop_key="")
-    fresh = tmp_path / "qla.jsonl"
-    with open(fresh, "w") as out:  # a "fresh" qla run twice as slow as the anchors
-        for line in open(anchors):
-            r = json.loads(line)
-            if r["lib"] == "qla":
-                r["graph_ms"] = r["graph_ms"] * 2
-                out.write(json.dumps(r) + "\n")
+def test_two_cards_and_a_forward_only_peer(tmp_path):
+    make_card(tmp_path / "h100", device="NVIDIA H100 80GB HBM3", peers=("qla",), logs=False)
+    make_card(tmp_path / "h200")
+    fi = [json.loads(line) for line in (tmp_path / "h200" / "qla.jsonl").read_text().splitlines()]
+    (tmp_path / "h200" / "fi.jsonl").write_text("".join(
+        json.dumps(dict(r, lib="flashinfer", graph_ms=r["graph_ms"] / 2)) + "\n" for r in fi if r["pass_"] == "fwd"))
     out = tmp_path / "B.md"
-    assert report.main(["--ours", str(tmp_path / "ours.jsonl"), "--peers", str(anchors), "--peers-fresh",
-                        str(fresh), "--out", str(out)]) == 0
+    assert report.main([str(tmp_path / "h100"), str(tmp_path / "h200"), "--out", str(out), "--no-plots"]) == 0
     text = out.read_text()
-    header = [c.strip() for c in table_lines(text, "fwd")[0].strip("|").split("|")]
-    assert header[5:8] == ["qla", "qla anchor", "fla anchor"]
-    assert "geomean x qla (qla) 2.50" in text  # vs the fresh run, not the anchors
-    assert "![" not in text  # no --plots, no images
+    assert text.index("## H100") < text.index("## H200") and "![" not in text
+    h100 = table_lines(text, "H100", "fwd")
+    assert h100[0].startswith("| row | tokens | ours ms | qla ms | x best |")
+    h100_row = cells(h100[0], h100[2])
+    assert h100_row["floor ms"] == f"{floor_ms('fwd', [32768], 2, 8, 'H100'):.3f}"
+    fwd = table_lines(text, "H200", "fwd")
+    c = cells(fwd[0], fwd[2])  # TP8 1x32768: FlashInfer at half FlashQLA's time is the best peer
+    assert c["x best"] == f"{0.395 / 2 / round(0.395 / 1.25, 4):.2f}" and c["fi ms"] == "0.198"
+    bwd = table_lines(text, "H200", "bwd")
+    assert "fi ms" in bwd[0] and all(cells(bwd[0], line)["fi ms"] == "–" for line in bwd[2:])
 
 
-def test_reference_backend_and_other_gpu_are_flagged(tmp_path):
-    anchors, _ = peer_files()
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text(json.dumps(dict(lib="flash_qla_aot", version="0.1.0", device="cpu (x86_64)", pass_="fwd",
-                                    model="TP8", hq=2, hv=8, seqs="1x8192", eager_ms=900.0, graph_ms=None,
-                                    first_call_s=1.0, backend="reference")) + "\n")
+def test_wrong_card_backend_and_bad_folders_are_named(tmp_path):
+    make_card(tmp_path / "h100", device="NVIDIA H100 80GB HBM3", backend="reference")
     out = tmp_path / "B.md"
-    assert report.main(["--ours", str(ours), "--peers", str(anchors), "--out", str(out)]) == 0
+    assert report.main([str(tmp_path / "h100"), "--out", str(out), "--no-plots"]) == 0
     text = out.read_text()
-    assert "**reference** backend" in text and "not comparable" in text and "(assumed:" in text
-    assert "**fwd**: 0 of 32 rows measured." in text
+    assert "reference backend" in text
+    assert "`qla` ran on another kind of card than ours" in text
+    assert report.main([str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CardError, match="no ours.jsonl"):
+        load_card(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "ours.jsonl").write_text('{"lib": "flash_qla_aot"}\n')
+    with pytest.raises(CardError, match=r"ours.jsonl:1: missing device"):
+        load_card(str(tmp_path / "empty"))
+    shutil.copytree(tmp_path / "h100", tmp_path / "again" / "h100")
+    assert report.main([str(tmp_path / "h100"), str(tmp_path / "again" / "h100"), "--out", str(out)]) == 2
+
+
+def test_committed_results_render(tmp_path):
+    """The committed folders are valid input (what BENCHMARKS.md is generated from)."""
+    folders = sorted(p for p in (ROOT / "bench" / "results").iterdir() if (p / "ours.jsonl").is_file())
+    assert folders, "no result folder with an ours.jsonl under bench/results"
+    out = tmp_path / "B.md"
+    assert report.main([*map(str, folders), "--out", str(out), "--no-plots"]) == 0
+    assert "- rows measured:" in out.read_text()
 
 
 def test_floor_matches_compare_py():
-    compare_py = SHARED_BENCH / "compare.py"
-    if not compare_py.exists():
+    if not SHARED_COMPARE.exists():
         pytest.skip("../shared/bench/compare.py is not here")
-    spec = importlib.util.spec_from_file_location("shared_compare", compare_py)
+    spec = importlib.util.spec_from_file_location("shared_compare", SHARED_COMPARE)
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
     for gpu in ("H200", "H100"):
         for row in all_rows(load_matrix()):
             assert floor_ms(row.pass_, row.seqlens, row.hq, row.hv, gpu) == pytest.approx(
                 compare.floor_ms(row.pass_, list(row.seqlens), row.hq, row.hv, gpu), rel=1e-12)
-
-
-def test_small_fixtures_and_no_results_yet(tmp_path):
-    """The fixture copies (used where ../shared is absent) render, and an empty 'ours' is all missing."""
-    empty = tmp_path / "ours.jsonl"
-    empty.write_text("")
-    out = tmp_path / "B.md"
-    assert report.main(["--ours", str(empty), "--peers", str(FIXTURES / "anchors_small.jsonl"), "--published",
-                        str(FIXTURES / "published_small.json"), "--out", str(out)]) == 0
-    text = out.read_text()
-    assert "**no results yet**" in text and "warning" not in text
-    assert "| TP8 1x32768 | 32768 | missing | – | – | 0.395 | 0.920 | 0.320 | 1.655 | 0.902 | pub flash_qla |" in text
-    assert "**bwd**: 0 of 8 rows measured." in text

@@ -1,8 +1,8 @@
-"""flash_qla.bench.merge_runs: a row's median over separate bench runs."""
+"""benchmarks.merge_runs: a row's median over separate bench runs."""
 import json
 import sys
 
-from flash_qla.bench.merge_runs import main, merge
+from benchmarks.merge_runs import main, merge
 
 
 def _row(seqs, graph, eager, lib="flash_qla_aot"):
@@ -30,3 +30,13 @@ def test_libraries_are_kept_apart(tmp_path, monkeypatch):
     main()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["lib"], r["graph_ms"], r["runs"]) for r in rows] == [("flash_qla_aot", 0.76, 2), ("qla", 0.87, 1)]
+
+
+def test_missing_arguments_are_a_usage_error(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["merge_runs", "out.jsonl"])
+    try:
+        main()
+    except SystemExit as exc:
+        assert "usage:" in str(exc.code)
+    else:
+        raise AssertionError("merge_runs ran without any input run")

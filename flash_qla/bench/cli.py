@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m flash_qla.bench --pass both --out bench/results/h200.jsonl          # the standard matrix
+    python -m flash_qla.bench --pass both --out ours.jsonl                          # the standard matrix
     python -m flash_qla.bench --rows "fwd|TP8|" --warmup 5 --iters 50              # a subset
     python -m flash_qla.bench --device cpu --backend reference --matrix smoke      # CPU plumbing check
 
@@ -28,7 +28,7 @@ NAMED_MATRICES = {"standard": DEFAULT_MATRIX, "smoke": Path(__file__).with_name(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flash_qla.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--matrix", default="standard",
-                   help="matrix file, or 'standard' (the packaged copy of ../shared/bench/matrix.json) or "
+                   help="matrix file, or 'standard' (the packaged matrix.json) or "
                         "'smoke' (a tiny matrix for CPU runs)")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="both")
     p.add_argument("--out", help="JSONL file to write (default: stdout)")
@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "kernels", "reference"), default="auto")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed eager calls per row before timing (default: 10 ms worth, as peer_bench.py's do_bench)")
+                   help="untimed eager calls per row before timing (default: 10 ms worth, as triton's do_bench)")
     p.add_argument("--iters", type=int, default=None,
-                   help="timed eager calls per row, median reported (default: 60 ms worth, as peer_bench.py's do_bench)")
+                   help="timed eager calls per row, median reported (default: 60 ms worth, as triton's do_bench)")
     return p
 
 

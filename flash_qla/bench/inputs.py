@@ -1,7 +1,7 @@
-"""Benchmark inputs, drawn exactly as ``../shared/bench/inputs.md`` says.
+"""Benchmark inputs: seeded draws, in the order and dtypes the peer libraries' benchmark uses.
 
-The draws follow ``../shared/peers/peer_bench.py``'s ``make()`` call for call (same seed, same order,
-same dtypes), so on the same device our rows time the very tensors the peers were timed on.
+The draws go call for call as the peers' input maker does (same seed, same order, same dtypes), so on the same
+device our rows time the very tensors the peers are timed on.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class BenchInputs:
 
 
 def l2normalize(x: torch.Tensor) -> torch.Tensor:
-    """Normalise in fp32 and round back, as peer_bench.py's ``l2n`` does."""
+    """Normalise in fp32 and round back, as the peers' benchmark does."""
     x32 = x.float()
     return (x32 / x32.norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(x.dtype)
 

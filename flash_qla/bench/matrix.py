@@ -1,7 +1,7 @@
 """The benchmark matrix: which (pass, head configuration, sequence lengths) rows get timed.
 
-The file format is the project's standard one (``../shared/bench/matrix.json``, copied here as
-``matrix.json`` so an installed wheel can benchmark without the repository)::
+The file format is the one the peer libraries' benchmark reads (packaged as ``matrix.json``, so an installed
+wheel can benchmark without the repository)::
 
     {"head_dim": 128,
      "fwd": {"models": [[name, hq, hv], ...], "seqs": [[label, [len, ...]], ...]},
@@ -41,7 +41,7 @@ class BenchRow:
 
 
 def row_key(pass_: str, model: str, label: str) -> str:
-    """The join key used by compare.py, the anchors and the published table."""
+    """The join key of every results file (ours and the peers')."""
     return f"{pass_}|{model}|{label}"
 
 

@@ -1,9 +1,9 @@
-"""Measure one matrix row and return its JSON record (the schema of ``../shared/bench/anchors_h200.jsonl``).
+"""Measure one matrix row and return its JSON record (the peers' results schema).
 
 Order within a row, chosen so each figure measures one thing:
 1. reset the peak-memory counter, draw the inputs;
 2. first call, synchronised (for the backward: the untimed forward plus the first backward, as
-   peer_bench.py counts it); in the process's first row this includes loading the kernels;
+   the peers' benchmark counts it); in the process's first row this includes loading the kernels;
 3. eager timing; the peak memory is read here, before graph capture adds its private pool;
 4. CUDA-graph timing.
 """
@@ -49,7 +49,7 @@ def base_record(row: BenchRow, device: torch.device, backend: str) -> dict:
 
 def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: Optional[int], iters: Optional[int],
                 first_in_process: bool) -> dict:
-    """One row's record. warmup / iters: the eager calls; None picks them as peer_bench.py's do_bench does, from
+    """One row's record. warmup / iters: the eager calls; None picks them as triton's do_bench does, from
     its time budgets (timing.eager_counts), so both libraries' graph timings follow the same eager phase."""
     record = base_record(row, device, resolved_backend(device, backend))
     record["first_in_process"] = first_in_process

@@ -1,16 +1,16 @@
 """Timers: eager median, CUDA-graph replay median, first call, peak memory.
 
-They mirror ``../shared/peers/peer_bench.py`` so that our numbers and the peers' compare:
+They follow the peer libraries' benchmark so that our numbers and the peers' compare:
 
-* eager: ``triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")`` semantics (peer_bench.py's call)
+* eager: ``triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")`` semantics (the peers' call)
   without needing Triton: the call counts come from a time budget (``eager_counts``: five calls estimate one call's
   time, then 10 ms of warm-up calls and 60 ms of timed calls), one CUDA-event pair around each call, the 256 MB L2
   scratch zeroed before each call (so every call starts with a cold L2, as in do_bench), median over calls. On the
   CPU, ``time.perf_counter``. The counts matter beyond the eager figure: the graph timing follows them, and a longer
   eager phase (100 calls of a 3 ms row against do_bench's ~20) left the GPU in a state that cost the graph median of
-  the 32k backward rows ~1% on an H100 (bench/results/experiments/bench_eager_counts_h100.md).
+  the 32k backward rows ~1% on an H100.
 * graph: capture one call after three side-stream warm-ups, then ``rounds`` rounds of ``replays``
-  back-to-back replays, median of the per-replay means (peer_bench.py's 20 x 5).
+  back-to-back replays, median of the per-replay means (the peers' 20 x 5).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 GRAPH_REPLAYS = 20
 GRAPH_ROUNDS = 5
-PEER_WARMUP_MS = 10.0  # peer_bench.py: triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
+PEER_WARMUP_MS = 10.0  # the peers': triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
 PEER_REP_MS = 60.0
 ESTIMATE_CALLS = 5     # do_bench's estimate of one call's time
 L2_SCRATCH_BYTES = 256 * 1000 * 1000  # do_bench's empty-cache buffer: larger than any Hopper L2
@@ -118,7 +118,7 @@ def eager_median_ms(fn: Callable[[], object], device: torch.device, warmup: int,
 
 def warm_up_on_side_stream(fn: Callable[[], object], device: torch.device, calls: int = 3) -> None:
     """calls calls of fn on a fresh side stream, joined back: graph capture wants its warm-ups off the default
-    stream (the bench, scripts/stress_backward.py and scripts/hunt_backward_hang.py all do this before capturing)."""
+    stream (the bench and scripts/stress_backward.py do this before capturing)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -148,7 +148,7 @@ def graph_median_ms(fn: Callable[[], object], device: torch.device, replays: int
             torch.cuda.synchronize(device)
             per_replay.append(start.elapsed_time(end) / replays)
         return sorted(per_replay)[len(per_replay) // 2], None
-    except Exception as exc:  # capture failed: report it, as peer_bench.py does, instead of a number
+    except Exception as exc:  # capture failed: report it, as the peers' benchmark does, instead of a number
         torch.cuda.synchronize(device)
         return None, f"graph capture failed: {type(exc).__name__}: {str(exc)[:200]}"
 

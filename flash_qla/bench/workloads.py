@@ -34,7 +34,7 @@ def forward_for_backward(x: BenchInputs, backend: str) -> Tuple[torch.Tensor, to
 
 
 def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backend: str) -> Callable[[], object]:
-    """The low-level backward as peer_bench.py times FlashQLA's: dq, dk, dv, dbeta, dg, dh0 from
+    """The low-level backward as the peers' benchmark times FlashQLA's: dq, dk, dv, dbeta, dg, dh0 from
     the saved forward tensors, the output gradient do and the final-state gradient dht."""
     def run():
         return flash_qla.chunk_gated_delta_rule_bwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.do, dht=x.dht,

@@ -1,21 +1,18 @@
 """Roofline floor of one row: no implementation can run much faster than this.
 
-Replicates ``floor_ms`` of ``../shared/bench/compare.py`` (the project's comparison script) so reports
-agree with it without importing anything from ``../shared`` at run time:
-
     floor = max(FLOP / peak_flops, minimum_bytes / bandwidth)
 
 with FLOP = 163,840 (fwd) or 491,520 (bwd) per token per v-head at K = V = 128 and chunk 64, and
 minimum bytes per token per v-head = 520 + 512 / r (fwd) or 784 + 1024 / r (bwd), r = hv / hq (q and k
-are shared by r v-heads). The counts are derived in ``../shared/research/gdn_kernels.md`` section 8;
-the ceilings were measured on this workplace's GPUs (bf16 dense matrix product, device-to-device copy
-counting bytes read plus bytes written).
+are shared by r v-heads): every input read and every output written once in bf16 (fp32 g and beta), no
+intermediate traffic. The ceilings are measured ones (bf16 dense matrix product, device-to-device copy counting
+bytes read plus bytes written), not datasheet peaks.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-# bf16 dense FLOP/s and copy bandwidth in B/s, as in compare.py's CEIL.
+# bf16 dense FLOP/s and copy bandwidth in B/s, measured on one card of each kind.
 CEILINGS = {"H200": (790e12, 4.3e12), "H100": (798e12, 3.0e12)}
 FLOP_PER_TOKEN_HEAD = {"fwd": 163_840, "bwd": 491_520}
 

@@ -1,10 +1,9 @@
 """Merge several bench runs of the same library into one results file: each row's median over the runs.
 
-The hk16_hv32 32k backward rows move by up to ~5% between captures of the same call on one card
-(bench/results/experiments/graph_spread_h100.jsonl), more than some rows' distance to a peer; a row's median over
-separate runs (each itself a median over replays) is the figure that ratio should use. The first run's row supplies
-every other field; `runs`, `graph_ms_runs` and `eager_ms_runs` record what was merged.
-usage: python -m flash_qla.bench.merge_runs OUT.jsonl RUN.jsonl [RUN.jsonl ...]
+A long backward row's graph median moves by a few percent between captures of the same call on one card, more
+than some rows' distance to a peer; a row's median over separate runs (each itself a median over replays) is the
+figure a ratio should use. The first run's row supplies every other field; `runs`, `graph_ms_runs` and `eager_ms_runs` record what was merged.
+usage: python -m benchmarks.merge_runs OUT.jsonl RUN.jsonl [RUN.jsonl ...]
 """
 import json
 import statistics
@@ -37,6 +36,8 @@ def merge(runs: list) -> list:
 
 
 def main():
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m benchmarks.merge_runs OUT.jsonl RUN.jsonl [RUN.jsonl ...]")
     out_path, paths = sys.argv[1], sys.argv[2:]
     runs = [[json.loads(line) for line in open(p) if line.strip()] for p in paths]
     with open(out_path, "w") as out:
