@@ -3,27 +3,26 @@
 # sequence on one GPU, so every ratio in the report compares numbers from the same card and run.
 #
 # usage (from the repository root):
-#   bash scripts/gpu_bench.sh OUT_DIR [--pass fwd|bwd|both] [--peers "qla fla"|none] [--no-ours]
+#   bash scripts/gpu_bench.sh OUT_DIR [--pass fwd|bwd|both] [--peers "qla fla fi"|none] [--no-ours]
 #                             [--rows SUBSTRING] [--backend auto|kernels|reference]
 #                             [--warmup N] [--iters N] [--peers-dir .peers] [--runs N] [--report]
 #
-# Writes under OUT_DIR (few files, because a device call brings back at most 8):
+# Writes under OUT_DIR, a card's result folder (python -m benchmarks.report reads it as it is):
 #   ours.jsonl         python -m flash_qla.bench rows (appended per pass)
-#   <peer>.jsonl       ../shared/peers/peer_bench.py rows for each peer (qla, fla)
+#   <peer>.jsonl       the peer's rows (qla = FlashQLA, fla = FLA, fi = FlashInfer, forward only)
 #   gpu_bench.log      GPU, driver, versions, and every step's output
-#   BENCHMARKS.md      with --report: the report against the fresh peer runs only
+#   BENCHMARKS.md      with --report: the report of this folder alone (tables, no figures)
 # --runs N (N > 1): N runs, ours then each peer in turn, into OUT_DIR/run1 ... runN; ours.jsonl and <peer>.jsonl are
-# then each row's median over the runs (python -m flash_qla.bench.merge_runs; a 32k backward row's graph median moves
-# by up to ~5% between captures on one card, more than some rows' distance to a peer).
+# then each row's median over the runs (python -m benchmarks.merge_runs; a 32k backward row's graph median moves
+# by a few percent between captures on one card, more than some rows' distance to a peer).
 #
-# Peers need the staged bundle (see ../shared/README.md), e.g. both peers in one call (~54 MB):
-#   bash ../shared/peers/stage.sh .peers qla && cp ../shared/peers/bundle/cache-fla.tar.xz.* .peers/
-# A device call lasts at most 10 minutes and carries at most 64 MiB: split the work with --pass and
-# --peers (and --no-ours) across calls when it does not fit; each call's log names its GPU.
+# Peers run from a staged folder (--peers-dir, default .peers) holding run_peers.sh, matrix.json, the peers' site
+# bundles and their compile caches; scripts/README.md says how to stage it. Without their caches the peers spend
+# minutes compiling. Split long work across calls with --pass, --peers and --no-ours.
 set -uo pipefail
 
 OUT=${1:?usage: bash scripts/gpu_bench.sh OUT_DIR [options]}; shift
-PASS=both; PEERS="qla fla"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=""; ITERS=""
+PASS=both; PEERS="qla fla fi"; RUN_OURS=1; ROWS=""; BACKEND=auto; WARMUP=""; ITERS=""
 PEERS_DIR=.peers; REPORT=0; RUNS=1; PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -75,11 +74,17 @@ run_once() {  # ours, then each peer, into directory $1
 
   for lib in $PEERS; do
     say "peer $lib ($PASS)"
+    case "$lib" in qla|fla|fi) ;; *) say "unknown peer $lib (qla, fla or fi)"; status=1; continue ;; esac
     if [ ! -f "$PEERS_DIR/run_peers.sh" ]; then
-      say "no $PEERS_DIR/run_peers.sh: stage it with bash ../shared/peers/stage.sh $PEERS_DIR $lib"; status=1; continue
+      say "no $PEERS_DIR/run_peers.sh: stage the peers first (scripts/README.md)"; status=1; continue
     fi
-    ls "$PEERS_DIR"/cache-$lib.tar.xz.* >/dev/null 2>&1 \
-      || say "warning: no compile cache for $lib in $PEERS_DIR, expect minutes of JIT"
+    if [ "$lib" = fi ]; then
+      [ -f "$PEERS_DIR/fi-site.tar.xz" ] || say "warning: no fi-site.tar.xz in $PEERS_DIR"
+      [ "$PASS" = bwd ] && { say "fi has no backward: skipped"; continue; }
+    else
+      ls "$PEERS_DIR"/cache-$lib.tar.xz.* >/dev/null 2>&1 \
+        || say "warning: no compile cache for $lib in $PEERS_DIR, expect minutes of JIT"
+    fi
     only=(); [ "$PASS" != both ] && only=(--only "$PASS")
     bash "$PEERS_DIR/run_peers.sh" "$PEERS_DIR" "$lib" "$PEERS_DIR/matrix.json" "$dir/$lib.jsonl" "${only[@]}" \
       2>&1 | tee -a "$LOG"
@@ -96,16 +101,14 @@ else
   say "each row's median over the $RUNS runs"
   for name in ours $PEERS; do
     files=(); for i in $(seq 1 "$RUNS"); do [ -s "$OUT/run$i/$name.jsonl" ] && files+=("$OUT/run$i/$name.jsonl"); done
-    [ ${#files[@]} -gt 0 ] && "$PYTHON" -m flash_qla.bench.merge_runs "$OUT/$name.jsonl" "${files[@]}" 2>&1 | tee -a "$LOG"
+    [ ${#files[@]} -gt 0 ] && "$PYTHON" -m benchmarks.merge_runs "$OUT/$name.jsonl" "${files[@]}" 2>&1 | tee -a "$LOG"
   done
 fi
 
 if [ "$REPORT" = 1 ] && [ -s "$OUT/ours.jsonl" ]; then
-  fresh=(); for lib in $PEERS; do [ -s "$OUT/$lib.jsonl" ] && fresh+=("$OUT/$lib.jsonl"); done
   say "report"
-  "$PYTHON" -m flash_qla.bench.report --ours "$OUT/ours.jsonl" --peers-fresh "${fresh[@]}" \
-    --out "$OUT/BENCHMARKS.md" 2>&1 | tee -a "$LOG"
-  grep '^\*\*' "$OUT/BENCHMARKS.md" 2>/dev/null
+  "$PYTHON" -m benchmarks.report "$OUT" --out "$OUT/BENCHMARKS.md" --no-plots 2>&1 | tee -a "$LOG"
+  grep -E '^- (graph|eager):' "$OUT/BENCHMARKS.md" 2>/dev/null
 fi
 say "done, status $status"
 exit $status

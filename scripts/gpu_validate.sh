@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU-machine validation in one call: proves the cubins run with TileLang absent, runs the gpu-marked
-# tests, compute-sanitizer memcheck + racecheck on a small varlen case, and the launch host cost.
+# tests, compute-sanitizer memcheck + racecheck on a small varlen case (scripts/sanitize_case.py), graph
+# replays of every backward row under a watchdog (scripts/stress_backward.py), and the host cost of a call.
 # usage: bash scripts/gpu_validate.sh OUT_DIR   (expects flash_qla/_launcher*.so built or carried)
+# OUT_DIR gets gpu_validate.log (the summary), gpu_tests.log, memcheck.log, racecheck.log, stress_backward.log
+# and host_overhead.json: the files a card's folder under bench/results keeps.
 set -uo pipefail
 OUT=${1:?output dir}
 mkdir -p "$OUT"
@@ -21,6 +24,9 @@ LOG="$OUT/gpu_validate.log"
   echo "== compute-sanitizer racecheck"
   compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py > "$OUT/racecheck.log" 2>&1
   grep -E "RACECHECK SUMMARY|sanitize case" "$OUT/racecheck.log"
-  echo "== launch overhead"
-  if [ -f scripts/launch_overhead.py ]; then python3 scripts/launch_overhead.py --size TC=128 --out "$OUT/launch_overhead.json" 2>&1 | tail -20; fi
+  echo "== backward graph replays under a watchdog"
+  timeout 300 python3 scripts/stress_backward.py "hk" 1000 60 > "$OUT/stress_backward.log" 2>&1
+  echo "stress exit $?"; cat "$OUT/stress_backward.log" | tail -8
+  echo "== host cost"
+  if [ -f scripts/host_cost.py ]; then python3 scripts/host_cost.py --out "$OUT/host_overhead.json" 2>&1 | tail -20; fi
 } 2>&1 | tee "$LOG"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 evidence on the GPU machine: install the built wheel (no compiler, no TileLang, nothing from the
+# On the GPU machine: install the built wheel (no compiler, no TileLang, nothing from the
 # checkout on sys.path) and run the GPU tests against the installed package.
 # usage: bash scripts/gpu_wheel_tests.sh WHEEL_DIR OUT_DIR
 set -uo pipefail

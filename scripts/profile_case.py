@@ -1,23 +1,33 @@
-"""One forward call on a benchmark row's shape, for ncu / nsys on the GPU machine.
+"""Run one benchmark row's call a few times, for ncu / nsys on the GPU machine.
 
-usage: python scripts/profile_case.py "TP1 4096x8"   (a row of kernel_experiment.ROWS)
-FLASH_QLA_FORCE_BV=64 pins the chain kernels' V block; FLASH_QLA_FUSED=0 takes gdn_prepare + gdn_fwd_st;
-FLASH_QLA_NO_CP=1 turns intra-card CP off (one chain per sequence and head, as the fused path runs).
+usage: python scripts/profile_case.py ROW [--pass fwd|bwd] [--calls N]
+ROW: a substring of the row key, e.g. "TP1-397B|4096x8" or "hk16_hv32|32k_8seq" (the first matching row is run).
+The library's own switches apply (FLASH_QLA_FUSED=0/1 pins the forward path). Example:
+    ncu --set full -k regex:gdn_fwd_fused -c 1 -o prof python scripts/profile_case.py "TP8|1x32768"
 """
-import os
-import sys
+import argparse
 
 import torch
 
-import flash_qla
-from flash_qla import cp, ops
-from kernel_experiment import ROWS, inputs
+from flash_qla.bench.workloads import backward_rows, forward_rows
 
-if os.environ.get("FLASH_QLA_NO_CP"):
-    cp.FORCE_SEGMENT_CHUNKS = 0
-if os.environ.get("FLASH_QLA_FORCE_BV"):
-    ops.FORCE_BLOCK_V = int(os.environ["FLASH_QLA_FORCE_BV"])
-q, k, v, g, beta, cu, h0 = inputs(*ROWS[sys.argv[1] if len(sys.argv) > 1 else "TP1 4096x8"])
-for _ in range(2):
-    flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-torch.cuda.synchronize()
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("row")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--calls", type=int, default=2)
+    args = p.parse_args()
+    rows = (forward_rows if args.pass_ == "fwd" else backward_rows)([args.row])
+    found = next(rows, None)
+    if found is None:
+        raise SystemExit(f"profile_case: no {args.pass_} row matches {args.row!r}")
+    row, _, call = found
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    print(f"profile_case: {row.key}, {args.calls} calls")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,38 @@
-"""A small varlen forward + backward case for compute-sanitizer (memcheck / racecheck) on the GPU machine."""
+"""Small cases for compute-sanitizer (memcheck / racecheck / synccheck) on the GPU machine.
+
+usage: python scripts/sanitize_case.py          a varlen forward + backward over every kernel family: split and
+                                                fused forward, CP both ways, l2norm, the persistent chunk kernel
+       python scripts/sanitize_case.py tiny     one head, one 64-token chunk + a 5-token one: a racecheck report
+                                                that can be read hazard by hazard
+"""
+import sys
+
 import torch
 
 import flash_qla
 from flash_qla import backward, cp, ops
+
+
+def tiny() -> None:
+    torch.manual_seed(0)
+    T, K, V = 69, 128, 128
+    cu = torch.tensor([0, 64, 69], dtype=torch.int32, device="cuda")
+    q = torch.nn.functional.normalize(torch.randn(1, T, 1, K, device="cuda"), dim=-1).bfloat16().requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, device="cuda"), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(1, T, 1, V, device="cuda").bfloat16().requires_grad_()
+    g = (-torch.rand(1, T, 1, device="cuda")).requires_grad_()
+    beta = torch.rand(1, T, 1, device="cuda").requires_grad_()
+    o, _ = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, [q, k, v, g, beta], torch.randn_like(o))
+    torch.cuda.synchronize()
+    print("tiny backward ok", [float(d.float().abs().sum()) for d in grads])
+    sys.exit(0)
+
+
+if sys.argv[1:] == ["tiny"]:
+    tiny()
+elif sys.argv[1:]:
+    sys.exit(__doc__)
 
 # gdn_bwd_chunk on 3 CTAs: each walks several (chunk slot, q/k head) items (its persistent loop's prefetches)
 backward.CHUNK_CTAS_MAX = 3
