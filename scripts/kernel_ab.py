@@ -1,142 +1,94 @@
-"""A/B of one kernel's builds inside the benchmark's own calls (GPU machine; compile on the build machine).
+"""A/B of kernel builds: the same benchmark rows timed with each kernel directory, in turns (GPU machine).
 
-    python scripts/kernel_ab.py compile KERNEL "{'dtype': 'bf16', 'K': 128, 'V': 128, ...}" OUT.cubin [OUT.cu]
-        Build one variant from the working tree's aot/kernels (needs TileLang; no GPU). Prints registers,
-        spills and the dynamic shared memory the cubin needs (SMEM below).
-    python scripts/kernel_ab.py time KERNEL KEY NAME=SPEC [NAME=SPEC ...] [--pass fwd|bwd] [--rows SUB[,SUB...]]
-        KEY: the manifest variant the builds replace (its launch rules and tensor maps are shared by every build).
-        SPEC: CUBIN:SMEM (a cubin from `compile`), `manifest` (the committed build), or dir:PATH (the build in
-        another kernel directory, e.g. a copy of flash_qla/_kernels/sm90a made before a rebuild).
+usage: python scripts/kernel_ab.py ROW [ROW ...] --arm NAME=DIR --arm NAME=DIR [--pass fwd|bwd] [--turns N]
+ROW: a substring of a row key ("hk16_hv32|32k_8seq"). DIR: a kernel directory (manifest.json and cubins), e.g. a
+copy of flash_qla/_kernels/sm90a taken before `python -m build_matrix build` rebuilt the changed kernel:
 
-`time` runs, per benchmark row, the benchmark's call (the forward, or the low-level backward) once with each
-build: its outputs must equal the first build's bit for bit (same math, same order), else the A/B compares
-different arithmetic. Then, inside one more call, every launch of KERNEL is timed alone on that call's own
-buffers (device drained, builds in turns, 12 turns, CUDA-event medians). JSON lines on stdout.
+    cp -r flash_qla/_kernels/sm90a /tmp/before     # then edit aot/kernels/..., rebuild (build machine)
+    python scripts/kernel_ab.py "hk16_hv32|32k" --pass bwd --arm before=/tmp/before --arm after=flash_qla/_kernels/sm90a
+
+Each turn runs every arm in its own process (FLASH_QLA_KERNELS_DIR=DIR), arms alternating, so the arms see the
+same card, clocks and inputs. Per row and arm it prints the median over turns of the call's CUDA-graph time and of
+each kernel's profiler time, and whether the call's outputs equal the first arm's bit for bit: a build whose
+outputs differ computes different arithmetic, and its timing says nothing about the change alone.
 """
-import ast
+import argparse
+import hashlib
 import json
-import pathlib
+import os
 import statistics
+import subprocess
 import sys
+from collections import defaultdict
+from pathlib import Path
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TURNS = 12
-DEFAULT_ROWS = {"fwd": ["TP1-397B|4096x8", "TP8|1x32768"], "bwd": ["hk16_hv32|32k_1seq", "hk16_hv32|8k_8seq"]}
-
-
-def compile_variant(kernel: str, params: str, out: str, source: str = None) -> None:
-    sys.path.insert(0, str(ROOT))
-    from aot.compile import compile_kernel
-    from build_matrix.variants import Variant, build_prim_func, pass_configs
-    variant = Variant(kernel, tuple(ast.literal_eval(params).items()))
-    built = compile_kernel(build_prim_func(variant), pass_configs(variant))
-    pathlib.Path(out).write_bytes(built.cubin)
-    if source:
-        pathlib.Path(source).write_text(built.source)
-    print(f"{variant.key}: registers {built.registers}, spills {built.spills}, smem {built.smem}, grid {built.grid}")
+HERE = Path(__file__).resolve().parent
 
 
-def builds(key: str, specs: list) -> dict:
-    """name -> a loader.Kernel running that build with the manifest entry's launch rules."""
-    from flash_qla import loader
-
-    class BuildKernel(loader.Kernel):
-        """A manifest entry's launch rules with another build's cubin and shared-memory size."""
-        __slots__ = ("image",)
-
-        def cubin(self) -> bytes:
-            return self.image
-
-    lib = loader.library()
-    base = lib.kernel_by_key(key)
-    out = {}
-    for spec in specs:
-        name, _, rest = spec.partition("=")
-        if not rest:
-            raise SystemExit(f"kernel_ab: build spec {spec!r} is not NAME=SPEC")
-        if rest == "manifest":
-            out[name] = base
-        elif rest.startswith("dir:"):
-            out[name] = loader.KernelLibrary(rest[4:]).kernel_by_key(key)
-        else:
-            path, _, smem = rest.rpartition(":")
-            if not path or not smem.isdigit():
-                raise SystemExit(f"kernel_ab: {spec!r}: a cubin build is NAME=CUBIN:SMEM")
-            kern = BuildKernel(lib, base.entry)
-            kern.image, kern.smem = pathlib.Path(path).read_bytes(), int(smem)
-            out[name] = kern
-    return out
-
-
-def time_builds(kernel: str, key: str, specs: list, pass_: str, rows: list) -> None:
+def worker(pass_: str, wants: list) -> None:
+    """In one arm's process: per row, the graph time, each kernel's time and a digest of the outputs."""
     import torch
 
-    from flash_qla import loader, ops
+    from flash_qla.bench.timing import graph_median_ms
     from flash_qla.bench.workloads import backward_rows, forward_rows
+    sys.path.insert(0, str(HERE))
+    from kernel_split import split
 
-    kernels = builds(key, specs)
-    base = loader.library().kernel_by_key(key)
-    device = torch.device("cuda", torch.cuda.current_device())
-
-    def use(kern) -> None:  # the launch cache ops consults before the manifest
-        ops._CACHE[(kern.name, tuple(kern.variant.items()))] = kern
-
-    real_launch = ops._launch
-    for row, _, call in (forward_rows if pass_ == "fwd" else backward_rows)(rows):
-        want = None
-        for name, kern in kernels.items():
-            use(kern)
-            got = [t.clone() for t in call() if t is not None]
-            want = want or got
-            print(json.dumps({"row": row.key, "build": name,
-                              "same_as_first": all(torch.equal(a, b) for a, b in zip(got, want))}), flush=True)
-        use(base)
-        times = {n: [] for n in kernels}
-
-        def timed(name, variant, dev, sizes, pointers, stream=None):
-            if name == kernel:
-                torch.cuda.synchronize()
-                handle = ops.current_stream(device)
-                for _ in range(TURNS):
-                    for n, kern in kernels.items():
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        kern.launch(device.index, handle, sizes, pointers)
-                        end.record()
-                        torch.cuda.synchronize()
-                        times[n].append(start.elapsed_time(end))
-            return real_launch(name, variant, dev, sizes, pointers, stream)
-        ops._launch = timed
-        try:
-            call()
-        finally:
-            ops._launch = real_launch
-        torch.cuda.synchronize()
-        launches = len(times[next(iter(kernels))]) // TURNS
-        medians = {n: round(statistics.median(v), 4) for n, v in times.items() if v}
-        print(json.dumps({"row": row.key, "kernel": kernel, "launches": launches, **medians}), flush=True)
+    for row, _, call in (forward_rows if pass_ == "fwd" else backward_rows)(wants):
+        digest = hashlib.sha256()
+        for t in call():
+            if t is not None:
+                digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        graph_ms, why = graph_median_ms(call, torch.device("cuda", torch.cuda.current_device()))
+        print(json.dumps({"row": row.key, "graph_ms": graph_ms, "graph_error": why, "kernels": split(call),
+                          "outputs": digest.hexdigest()}), flush=True)
 
 
-def main(argv: list) -> None:
-    if len(argv) >= 4 and argv[0] == "compile":
-        compile_variant(*argv[1:5])
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rows", nargs="+")
+    p.add_argument("--arm", action="append", default=[], help="NAME=DIR (at least two)")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.pass_, args.rows)
         return
-    if len(argv) >= 4 and argv[0] == "time":
-        args = argv[1:]
-        options = {}
-        for flag in ("--pass", "--rows"):
-            if flag in args:
-                i = args.index(flag)
-                options[flag] = args[i + 1]
-                del args[i:i + 2]
-        pass_ = options.get("--pass", "bwd")
-        if pass_ not in DEFAULT_ROWS:
-            raise SystemExit("kernel_ab: --pass must be fwd or bwd")
-        rows = options["--rows"].split(",") if "--rows" in options else DEFAULT_ROWS[pass_]
-        time_builds(args[0], args[1], args[2:], pass_, rows)
-        return
-    raise SystemExit(__doc__)
+    arms = dict(a.split("=", 1) for a in args.arm if "=" in a)
+    if len(arms) < 2 or len(arms) != len(args.arm):
+        raise SystemExit("kernel_ab: give at least two arms as --arm NAME=DIR")
+    for name, folder in arms.items():
+        if not (Path(folder) / "manifest.json").is_file():
+            raise SystemExit(f"kernel_ab: arm {name}: {folder} holds no manifest.json")
+    if args.turns < 1:
+        raise SystemExit("kernel_ab: --turns must be >= 1")
+    results = defaultdict(lambda: defaultdict(list))   # (row, arm) -> field -> values
+    for _ in range(args.turns):
+        for name, folder in arms.items():
+            env = dict(os.environ, FLASH_QLA_KERNELS_DIR=str(Path(folder).resolve()))
+            proc = subprocess.run([sys.executable, __file__, *args.rows, "--pass", args.pass_, "--worker"],
+                                  env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"kernel_ab: arm {name} failed:\n{proc.stderr[-4000:]}")
+            for line in proc.stdout.splitlines():
+                r = json.loads(line)
+                cell = results[(r["row"], name)]
+                cell["graph_ms"].append(r["graph_ms"])
+                cell["outputs"].append(r["outputs"])
+                for kernel, ms in r["kernels"].items():
+                    cell[kernel].append(ms)
+    first = next(iter(arms))
+    for row in dict.fromkeys(r for r, _ in results):
+        reference = results[(row, first)]["outputs"][0]
+        for name in arms:
+            cell = results[(row, name)]
+            graph = [x for x in cell.pop("graph_ms") if x is not None]
+            outputs = cell.pop("outputs")
+            print(json.dumps({"row": row, "arm": name, "same_outputs_as_first_arm": set(outputs) == {reference},
+                              "graph_ms": round(statistics.median(graph), 4) if graph else None,
+                              **{k: round(statistics.median(v), 4) for k, v in cell.items()}}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import flash_qla
-from flash_qla import backward, cp, ops
+from flash_qla import tuning
 
 
 def tiny() -> None:
@@ -35,7 +35,7 @@ elif sys.argv[1:]:
     sys.exit(__doc__)
 
 # gdn_bwd_chunk on 3 CTAs: each walks several (chunk slot, q/k head) items (its persistent loop's prefetches)
-backward.CHUNK_CTAS_MAX = 3
+tuning.settings.chunk_ctas_max = 3
 
 torch.manual_seed(0)
 lengths = [1, 63, 64, 65, 130]
@@ -53,7 +53,7 @@ o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, out
 grads = torch.autograd.grad([o, ht], [q, k, v, g, beta, h0], [torch.randn_like(o), torch.randn_like(ht)])
 # the intra-card CP forward and backward too (pre-pass builds, gdn_cp_combine both ways): segments of one chunk,
 # g = 0 on one head (exact fallback)
-cp.FORCE_SEGMENT_CHUNKS = 1
+tuning.settings.force_segment_chunks = 1
 with torch.no_grad():
     g0 = g.detach().clone()
     g0[..., 1] = 0.0
@@ -65,25 +65,23 @@ o_cp2, ht_cp2 = flash_qla.chunk_gated_delta_rule(q, k, v, g0, beta, initial_stat
                                                  cu_seqlens=cu)
 grads_cp = torch.autograd.grad([o_cp2, ht_cp2], [q, k, v, g0, beta, h0],
                                [torch.randn_like(o_cp2), torch.randn_like(ht_cp2)])
-cp.FORCE_SEGMENT_CHUNKS = None
+tuning.settings.force_segment_chunks = None
 # use_qk_l2norm_in_kernel forward and backward (gdn_prepare's normalisation, gdn_bwd_chunk's l2norm epilogue)
 o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
 # the fused forward pinned (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages), plain and l2norm
 # at BV = 64, plain at BV = 128 (two consumer warpgroups, the bf16 state in shared memory)
-ops.USE_FUSED = True
-with torch.no_grad():
-    ops.FORCE_BLOCK_V = 64
+with torch.no_grad(), tuning.override(use_fused=True):
+    tuning.settings.force_block_v = 64
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                  initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
                                                beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    ops.FORCE_BLOCK_V = 128
+    tuning.settings.force_block_v = 128
     o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
-    ops.FORCE_BLOCK_V = None
-ops.USE_FUSED = False
+    tuning.settings.force_block_v = None
 torch.cuda.synchronize()
 print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()),
       float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
