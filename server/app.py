@@ -1,4 +1,5 @@
-"""The FastAPI application: /v1/prefill, /health, /ready, /metrics (and /docs)."""
+"""The FastAPI application: /v1/prefill, /v1/sessions, /health, /ready, /metrics, /docs and /redoc (served from
+local assets), and /v1/echo when enabled (the transport's own limit, for benchmarks)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Optional
 
-from fastapi import Depends, FastAPI, Request, Response
+import torch
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -18,14 +21,18 @@ import flash_qla
 
 from .auth import bearer_token_dependency
 from .batcher import DynamicBatcher
+from .body_limit import BodyLimitMiddleware
 from .codec import JSON, SAFETENSORS, decode_request, encode_result, media_type
 from .config import ServiceConfig
 from .engine import PrefillEngine
 from .errors import InputError, LimitExceeded, NotReady, RequestTimedOut, ServiceError, install_error_handlers
+from .limits import check_head_dims, check_memory
 from .metrics import PrefillStatusMiddleware, ServiceMetrics
 from .prefill import PrefillRequest
 from .readiness import STARTING, ReadyState, probe
 from .schemas import ErrorResponse, HealthResponse, PrefillJSONRequest, PrefillJSONResponse, ReadyResponse
+from .session_routes import session_router
+from .sessions import SessionStore
 
 log = logging.getLogger("server")
 PREFILL_PATH = "/v1/prefill"
@@ -35,17 +42,24 @@ _PREFILL_OPENAPI = {"requestBody": {"required": True, "content": {
     JSON: {"schema": PrefillJSONRequest.model_json_schema()},
     SAFETENSORS: {**_BINARY, "description": "a safetensors file with tensors q, k, v, g, beta, cu_seqlens "
                                             "[, initial_state] and metadata scale, use_qk_l2norm_in_kernel, "
-                                            "output_final_state"}}}}
+                                            "output_final_state, session_ids (a JSON list)"}}}}
 _PREFILL_RESPONSES = {
     200: {"description": "o and final_state, in the request's encoding",
           "content": {JSON: {"schema": PrefillJSONResponse.model_json_schema()},
-                      SAFETENSORS: {**_BINARY, "description": "a safetensors file with o [, final_state]"}}},
+                      SAFETENSORS: {**_BINARY, "description": "a safetensors file with o [, final_state]; "
+                                                              "metadata session_tokens with session_ids"}}},
     401: {"model": ErrorResponse, "description": "missing or wrong bearer token"},
-    413: {"model": ErrorResponse, "description": "body, tokens or sequences over the server's limits"},
+    404: {"model": ErrorResponse, "description": "a session of session_ids is unknown, deleted or expired"},
+    409: {"model": ErrorResponse, "description": "a session holds another head configuration"},
+    413: {"model": ErrorResponse, "description": "body, tokens, sequences or estimated memory over the server's "
+                                                 "limits (reason body_too_large, too_many_tokens, "
+                                                 "too_many_sequences, request_memory)"},
     415: {"model": ErrorResponse, "description": "neither JSON nor safetensors"},
     429: {"model": ErrorResponse, "description": "queue full; see Retry-After"},
     503: {"model": ErrorResponse, "description": "backend not ready; reason as on /ready"},
-    504: {"model": ErrorResponse, "description": "not answered within --request-timeout-s"},
+    504: {"model": ErrorResponse, "description": "not answered within --request-timeout-s (with session_ids: "
+                                                 "the turn may have been applied; see the session's tokens)"},
+    507: {"model": ErrorResponse, "description": "the state pool cannot hold the sessions (state_memory_full)"},
 }
 
 
@@ -55,13 +69,28 @@ class ServiceState:
     def __init__(self, config: ServiceConfig):
         self.config = config
         self.metrics = ServiceMetrics()
-        self.engine = PrefillEngine(config.backend)
+        self.metrics.torch_threads.set(torch.get_num_threads())
+        device = torch.device("cuda") if config.backend == "kernels" else torch.device("cpu")
+        self.store = SessionStore(device, config.max_state_bytes, config.state_dir, config.session_ttl_s,
+                                  config.max_sessions)
+        self.engine = PrefillEngine(config.backend, self.store)
         # One worker thread: launches never run on the event loop, and never two at once.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-qla-launch")
         self.batcher = DynamicBatcher(self.engine.run, self.executor, self.metrics,
                                       max_batch_tokens=config.max_batch_tokens,
-                                      max_wait_s=config.batch_wait_ms / 1000.0, max_queue=config.max_queue)
+                                      max_wait_s=config.batch_wait_ms / 1000.0, max_queue=config.max_queue,
+                                      max_batch_bytes=config.max_request_bytes)
         self.ready: ReadyState = STARTING
+        self._kernel_head_dims = None
+
+    def kernel_head_dims(self):
+        """The (K, V) pairs the precompiled kernels were built for (loaded once the backend is ready)."""
+        if self.config.backend != "kernels":
+            return None
+        if self._kernel_head_dims is None:
+            from flash_qla import ops
+            self._kernel_head_dims = ops.supported_head_dims()
+        return self._kernel_head_dims
 
     async def check_readiness(self) -> None:
         self.ready = await asyncio.get_running_loop().run_in_executor(self.executor, probe, self.config.backend)
@@ -76,24 +105,35 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        loop = asyncio.get_running_loop()
+        restored = await loop.run_in_executor(None, state.store.open)
+        if restored:
+            log.info("%d sessions restored from %s", restored, config.state_dir)
         state.batcher.start()
         # The probe runs in the background: /health answers at once, /ready says "starting" until it is done.
-        readiness = asyncio.get_running_loop().create_task(state.check_readiness())
+        readiness = loop.create_task(state.check_readiness())
+        sweeper = loop.create_task(_expire_sessions(state.store))
         try:
             yield
         finally:
             readiness.cancel()
+            sweeper.cancel()
             await state.batcher.stop()
-            state.executor.shutdown(wait=False, cancel_futures=True)
+            # the launch in progress (if any) finishes and stores its states before the sessions are written out
+            await loop.run_in_executor(None, lambda: state.executor.shutdown(wait=True, cancel_futures=True))
+            written = await loop.run_in_executor(None, state.store.close)
+            log.info("%d sessions written to %s", written, config.state_dir)
 
-    app = FastAPI(title="flash-qla prefill service", version=flash_qla.__version__, lifespan=lifespan,
-                  max_body_size=config.max_body_bytes,
-                  description="Gated DeltaNet chunked prefill over HTTP; concurrent requests are merged into "
-                              "one varlen launch.")
+    app = FastAPIOffline(title="flash-qla prefill service", version=flash_qla.__version__, lifespan=lifespan,
+                         description="Gated DeltaNet chunked prefill over HTTP, with sessions whose recurrent "
+                                     "state stays in the server; concurrent requests are merged into one varlen "
+                                     "launch.")
     app.state.service = state
     install_error_handlers(app, config.max_body_bytes)
     app.add_middleware(PrefillStatusMiddleware, metrics=state.metrics, path=PREFILL_PATH)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     require_token = bearer_token_dependency(config.api_key)
+    app.include_router(session_router(state.store, require_token))
 
     @app.get("/health", response_model=HealthResponse, summary="the process is up")
     async def health() -> HealthResponse:
@@ -110,6 +150,7 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
     @app.get("/metrics", dependencies=[Depends(require_token)], summary="Prometheus metrics",
              response_class=Response)
     async def metrics() -> Response:
+        state.metrics.record_sessions(await run_in_threadpool(state.store.stats))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post(PREFILL_PATH, dependencies=[Depends(require_token)], openapi_extra=_PREFILL_OPENAPI,
@@ -121,9 +162,15 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
             raise NotReady(verdict.message, reason=verdict.reason,
                            headers={"Retry-After": "1"} if verdict is STARTING else None)
         encoding = media_type(request.headers.get("content-type"))
-        body = await request.body()  # FastAPI's max_body_size turns an oversized body into 413 here
+        body = await request.body()  # BodyLimitMiddleware makes an oversized body a 413 here
         prefill_request = await _decode(body, encoding)
         _check_size_limits(prefill_request, config)
+        check_head_dims(prefill_request, config.backend, state.kernel_head_dims())
+        prefill_request.memory_bytes = check_memory(prefill_request, config.backend, encoding,
+                                                    config.max_request_bytes).total
+        sessions = prefill_request.session_ids
+        if sessions:
+            await run_in_threadpool(state.store.admit, sessions, prefill_request.session_config)
         try:
             result = await asyncio.wait_for(state.batcher.submit(prefill_request), config.request_timeout_s)
         except asyncio.TimeoutError:
@@ -135,10 +182,34 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
         except Exception as error:  # noqa: BLE001 - a device or library failure: 500 with its text, logged
             log.exception("prefill launch failed")
             raise ServiceError(f"the launch failed: {type(error).__name__}: {error}", reason="launch_failed")
+        finally:
+            if sessions:
+                await run_in_threadpool(state.store.finish, sessions)
         payload = await run_in_threadpool(encode_result, result, encoding)
         return Response(payload, media_type=encoding)
 
+    if config.echo_endpoint:
+        zeros = {"buffer": b""}  # grown, never resized in place: answers in flight hold views of it
+
+        @app.post("/v1/echo", dependencies=[Depends(require_token)], response_class=Response,
+                  summary="benchmark only (--echo-endpoint): read the body, answer response_bytes zero bytes")
+        async def echo(request: Request, response_bytes: int = Query(0, ge=0, le=config.max_body_bytes)) -> Response:
+            await request.body()
+            if len(zeros["buffer"]) < response_bytes:
+                zeros["buffer"] = bytes(response_bytes)
+            return Response(memoryview(zeros["buffer"])[:response_bytes], media_type=SAFETENSORS)
+
     return app
+
+
+async def _expire_sessions(store: SessionStore, every_s: float = 5.0) -> None:
+    """Drop idle sessions past their TTL now and then (a lookup also expires them on the spot)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await run_in_threadpool(store.expire_idle)
+        except Exception:  # noqa: BLE001 - a failed sweep is logged and retried; it never stops the server
+            log.exception("session expiry sweep failed")
 
 
 async def _decode(body: bytes, encoding: str) -> PrefillRequest:

@@ -2,8 +2,14 @@
 
 The oldest waiting request decides the next launch: it waits at most ``max_wait_s`` for company with its key,
 or less once the waiting tokens of that key fill ``max_batch_tokens``. Then every waiting request with that key
-that fits the budget goes, in arrival order, to one launch on a single worker thread (one launch at a time:
-the device runs one anyway, and requests that arrive meanwhile form the next, larger batch).
+that fits the budgets (tokens, and the requests' estimated memory) goes, in arrival order, to one launch on a
+single worker thread (one launch at a time: the device runs one anyway, and requests that arrive meanwhile form
+the next, larger batch).
+
+Requests on one session are applied in arrival order: a launch never takes a request whose session is also named
+by an earlier request that it does not take (another key, over budget, or the same session twice); that request
+goes to a later launch. The launch function returns one result per request, or an exception for a request that
+failed alone (e.g. its session was deleted meanwhile).
 """
 from __future__ import annotations
 
@@ -11,13 +17,13 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 from .errors import QueueFull
 from .metrics import ServiceMetrics
 from .prefill import PrefillRequest, PrefillResult
 
-LaunchFn = Callable[[List[PrefillRequest]], List[PrefillResult]]
+LaunchFn = Callable[[List[PrefillRequest]], List[Union[PrefillResult, BaseException]]]
 
 
 @dataclass(eq=False)  # compared by identity: the fields hold tensors
@@ -29,13 +35,14 @@ class _Waiting:
 
 class DynamicBatcher:
     def __init__(self, launch: LaunchFn, executor: ThreadPoolExecutor, metrics: ServiceMetrics, *,
-                 max_batch_tokens: int, max_wait_s: float, max_queue: int):
+                 max_batch_tokens: int, max_wait_s: float, max_queue: int, max_batch_bytes: Optional[int] = None):
         self._launch = launch
         self._executor = executor
         self._metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
+        self.max_batch_bytes = max_batch_bytes
         self._waiting: List[_Waiting] = []
         self._arrived: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
@@ -106,16 +113,25 @@ class DynamicBatcher:
         return sum(w.request.num_tokens for w in self._waiting if w.request.key == key)
 
     def _take(self, key) -> List[_Waiting]:
-        """Waiting requests with ``key`` that fit the token budget, oldest first (the first always fits:
-        requests larger than the budget were refused at the door)."""
-        taken, tokens = [], 0
+        """Waiting requests with ``key`` that fit the budgets, oldest first (the first always fits: requests
+        larger than a budget were refused at the door), skipping any whose session an earlier skipped or taken
+        request names (so each session sees its requests in arrival order)."""
+        taken, tokens, nbytes = [], 0, 0
+        held = set()  # sessions named by an earlier waiting request, taken or not
         for item in self._waiting:
-            if item.request.key != key or item.future.done():
+            if item.future.done():
                 continue
-            if taken and tokens + item.request.num_tokens > self.max_batch_tokens:
+            request = item.request
+            sessions = request.session_ids or ()
+            fits = request.key == key and not held.intersection(sessions) and (not taken or (
+                tokens + request.num_tokens <= self.max_batch_tokens
+                and (self.max_batch_bytes is None or nbytes + request.memory_bytes <= self.max_batch_bytes)))
+            held.update(sessions)
+            if not fits:
                 continue
             taken.append(item)
-            tokens += item.request.num_tokens
+            tokens += request.num_tokens
+            nbytes += request.memory_bytes
         self._waiting = [w for w in self._waiting if w not in taken and not w.future.done()]
         self._metrics.queue_depth.set(len(self._waiting))
         return taken
@@ -138,7 +154,11 @@ class DynamicBatcher:
             return
         self._metrics.kernel_seconds.observe(seconds)
         for item, result in zip(batch, results):
-            if not item.future.done():  # a caller that timed out meanwhile is simply skipped
+            if item.future.done():  # a caller that timed out meanwhile is simply skipped
+                continue
+            if isinstance(result, BaseException):
+                item.future.set_exception(result)
+            else:
                 item.future.set_result(result)
 
 

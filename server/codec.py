@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError
@@ -23,7 +23,7 @@ JSON = "application/json"
 SAFETENSORS = "application/octet-stream"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-_SCALAR_FIELDS = ("scale", "use_qk_l2norm_in_kernel", "output_final_state")
+_SCALAR_FIELDS = ("scale", "use_qk_l2norm_in_kernel", "output_final_state", "session_ids")
 
 
 def media_type(content_type: Optional[str]) -> str:
@@ -55,20 +55,33 @@ def decode_json(body: bytes) -> PrefillRequest:
     tensors["cu_seqlens"] = _tensor_from_lists("cu_seqlens", parsed.cu_seqlens, torch.int64)
     if parsed.initial_state is not None:
         tensors["initial_state"] = _tensor_from_lists("initial_state", parsed.initial_state, aux_dtype)
-    return prepare_request(tensors, parsed.scale, parsed.use_qk_l2norm_in_kernel, parsed.output_final_state)
+    return prepare_request(tensors, parsed.scale, parsed.use_qk_l2norm_in_kernel, parsed.output_final_state,
+                           parsed.session_ids)
 
 
 def _tensor_from_lists(name: str, data, dtype: torch.dtype) -> torch.Tensor:
     try:
-        return torch.tensor(data, dtype=dtype)
+        tensor = torch.tensor(data, dtype=dtype)
     except (ValueError, TypeError, RuntimeError) as error:  # ragged nesting, out-of-range integers
         raise InputError(name, f"{name} is not a rectangular array: {error}") from error
+    # pydantic refused NaN / Infinity / 1e400; a finite number can still overflow the narrower dtype
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise InputError(name, f"{name} holds a number outside the range of {DTYPE_NAMES[dtype]}")
+    return tensor
 
 
 def encode_json(result: PrefillResult) -> bytes:
+    """Strict JSON (no NaN / Infinity tokens, which standard parsers reject): a non-finite output, which only
+    overflowing inputs produce, is a 422 telling the client to use safetensors."""
+    for name, tensor in (("o", result.o), ("final_state", result.final_state)):
+        if tensor is not None and not bool(torch.isfinite(tensor).all()):
+            raise InputError("body", f"the result's {name} holds non-finite values (the inputs overflow "
+                                     f"{DTYPE_NAMES.get(tensor.dtype, tensor.dtype)}); JSON cannot carry them, "
+                                     f"safetensors (application/octet-stream) can")
     payload = {"dtype": DTYPE_NAMES.get(result.o.dtype, str(result.o.dtype)), "o": result.o.tolist(),
-               "final_state": None if result.final_state is None else result.final_state.tolist()}
-    return json.dumps(payload, allow_nan=True).encode()
+               "final_state": None if result.final_state is None else result.final_state.tolist(),
+               "session_tokens": result.session_tokens}
+    return json.dumps(payload, allow_nan=False).encode()
 
 
 # -- safetensors ------------------------------------------------------------------------------------------------
@@ -84,8 +97,9 @@ def decode_safetensors(body: bytes) -> PrefillRequest:
         raise InputError(unknown[0], f"unknown metadata key {unknown[0]!r}; expected {list(_SCALAR_FIELDS)}")
     scale = _parse_float("scale", metadata.get("scale"))
     l2norm = _parse_bool("use_qk_l2norm_in_kernel", metadata.get("use_qk_l2norm_in_kernel"), False)
-    final = _parse_bool("output_final_state", metadata.get("output_final_state"), True)
-    return prepare_request(tensors, scale, l2norm, final)
+    final = _parse_bool("output_final_state", metadata.get("output_final_state"), None)
+    session_ids = _parse_session_ids(metadata.get("session_ids"))
+    return prepare_request(tensors, scale, l2norm, final, session_ids)
 
 
 def _safetensors_metadata(body: bytes) -> Dict[str, str]:
@@ -105,7 +119,19 @@ def _parse_float(name: str, text: Optional[str]) -> Optional[float]:
         raise InputError(name, f"{name} must be a float, got {text!r}") from error
 
 
-def _parse_bool(name: str, text: Optional[str], default: bool) -> bool:
+def _parse_session_ids(text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise InputError("session_ids", f"session_ids must be a JSON list of strings, got {text[:80]!r}")
+    return ids
+
+
+def _parse_bool(name: str, text: Optional[str], default: Optional[bool]) -> Optional[bool]:
     if text is None:
         return default
     word = text.strip().lower()
@@ -120,16 +146,22 @@ def encode_safetensors(result: PrefillResult) -> bytes:
     tensors = {"o": result.o.contiguous()}
     if result.final_state is not None:
         tensors["final_state"] = result.final_state.contiguous()
-    return save_safetensors(tensors)
+    metadata = None if result.session_tokens is None else {"session_tokens": json.dumps(result.session_tokens)}
+    return save_safetensors(tensors, metadata=metadata)
 
 
 def encode_safetensors_request(tensors: Dict[str, torch.Tensor], scale: Optional[float] = None,
-                               use_qk_l2norm_in_kernel: bool = False, output_final_state: bool = True) -> bytes:
-    """Client helper: a /v1/prefill safetensors body (used by tests and scripts/service_bench.py)."""
-    metadata = {"use_qk_l2norm_in_kernel": str(use_qk_l2norm_in_kernel).lower(),
-                "output_final_state": str(output_final_state).lower()}
+                               use_qk_l2norm_in_kernel: bool = False, output_final_state: Optional[bool] = None,
+                               session_ids: Optional[List[str]] = None) -> bytes:
+    """Client helper: a /v1/prefill safetensors body. ``output_final_state=None`` leaves it to the server
+    (final states come back unless the request continues sessions)."""
+    metadata = {"use_qk_l2norm_in_kernel": str(use_qk_l2norm_in_kernel).lower()}
+    if output_final_state is not None:
+        metadata["output_final_state"] = str(output_final_state).lower()
     if scale is not None:
         metadata["scale"] = repr(float(scale))
+    if session_ids is not None:
+        metadata["session_ids"] = json.dumps(list(session_ids))
     return save_safetensors({n: t.contiguous() for n, t in tensors.items() if t is not None}, metadata=metadata)
 
 
@@ -137,3 +169,8 @@ def decode_safetensors_response(body: bytes) -> Tuple[torch.Tensor, Optional[tor
     """Client helper: (o, final_state) from a safetensors /v1/prefill answer."""
     tensors = load_safetensors(body)
     return tensors["o"], tensors.get("final_state")
+
+
+def safetensors_metadata(body: bytes) -> Dict[str, str]:
+    """Client helper: the string metadata of a safetensors body (e.g. an answer's session_tokens)."""
+    return _safetensors_metadata(body)

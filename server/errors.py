@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # The request's fields, in the order a message is searched for the one it is about.
-REQUEST_FIELDS = ("initial_state", "cu_seqlens", "beta", "scale", "q", "k", "v", "g",
+REQUEST_FIELDS = ("initial_state", "session_ids", "cu_seqlens", "beta", "scale", "q", "k", "v", "g",
                   "use_qk_l2norm_in_kernel", "output_final_state", "dtype")
 
 
@@ -58,6 +58,24 @@ class RequestTimedOut(ServiceError):
     reason = "timeout"
 
 
+class SessionNotFound(ServiceError):
+    """An unknown, deleted or expired session id (reason ``session_not_found`` or ``session_expired``)."""
+    status_code = 404
+    reason = "session_not_found"
+
+
+class SessionConflict(ServiceError):
+    """The request does not fit the session: another head configuration, or no state yet."""
+    status_code = 409
+    reason = "session_config_mismatch"
+
+
+class StateMemoryFull(ServiceError):
+    """The state pool cannot take the session's state (budget, no spill directory, or session count)."""
+    status_code = 507
+    reason = "state_memory_full"
+
+
 class InputError(ValueError):
     """A malformed or inconsistent request field; becomes 422 naming ``field``."""
 
@@ -88,7 +106,7 @@ def field_named_in(message: str) -> str:
     return min(hits)[1] if hits else "body"
 
 
-def _service_error_response(exc: ServiceError) -> JSONResponse:
+def service_error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"detail": {"reason": exc.reason, "message": exc.message}}, status_code=exc.status_code,
                         headers=exc.headers)
 
@@ -96,7 +114,7 @@ def _service_error_response(exc: ServiceError) -> JSONResponse:
 def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _service_error_response(exc)
+        return service_error_response(exc)
 
     @app.exception_handler(InputError)
     async def _input_error(request: Request, exc: InputError) -> JSONResponse:
@@ -107,7 +125,7 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's body limit raises a bare 413 "Content Too Large"; say which limit and how to change it.
         if exc.status_code == 413:
-            return _service_error_response(LimitExceeded(
+            return service_error_response(LimitExceeded(
                 f"request body exceeds the limit of {max_body_bytes} bytes (--max-body-mb)", reason="body_too_large"))
         reason = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"detail": {"reason": reason, "message": str(exc.detail)}}, status_code=exc.status_code,

@@ -30,6 +30,24 @@ class ServiceMetrics:
         self.tokens = Counter("flash_qla_tokens", "Tokens computed", registry=r)
         self.queue_depth = Gauge("flash_qla_queue_depth", "Requests waiting for a launch", registry=r)
         self.ready = Gauge("flash_qla_ready", "1 when /ready answers 200", registry=r)
+        self.torch_threads = Gauge("flash_qla_torch_threads", "torch intra-op threads of the process", registry=r)
+        self.sessions = Gauge("flash_qla_sessions", "Live sessions, by where their state is "
+                              "(pool: the device's state pool; disk: --state-dir; none: no prefill yet)",
+                              ["location"], registry=r)
+        self.state_pool_bytes = Gauge("flash_qla_state_pool_bytes", "Bytes of the state pool tensors on the "
+                                      "device (bounded by --max-state-mb)", registry=r)
+        self.state_spills = Gauge("flash_qla_state_spills", "States written to --state-dir to make room in the "
+                                  "pool, since start", registry=r)
+        self.state_loads = Gauge("flash_qla_state_loads", "Spilled states read back into the pool, since start",
+                                 registry=r)
+
+    def record_sessions(self, stats: dict) -> None:
+        self.sessions.labels(location="pool").set(stats["resident"])
+        self.sessions.labels(location="disk").set(stats["on_disk"])
+        self.sessions.labels(location="none").set(stats["sessions"] - stats["resident"] - stats["on_disk"])
+        self.state_pool_bytes.set(stats["pool_bytes"])
+        self.state_spills.set(stats["spills"])
+        self.state_loads.set(stats["loads"])
 
     def record_launch(self, num_requests: int, num_tokens: int) -> None:
         self.launches.inc()

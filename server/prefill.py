@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
 from flash_qla.validation import validate_inputs
 
 from .errors import InputError
+from .sessions import SessionConfig
 
 # What each tensor of a request looks like (no batch dim: the service always packs with cu_seqlens).
 TENSOR_LAYOUTS = {"q": "[T, Hq, K]", "k": "[T, Hq, K]", "v": "[T, Hv, V]", "g": "[T, Hv]", "beta": "[T, Hv]",
                   "cu_seqlens": "[N+1]", "initial_state": "[N, Hv, K, V]"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 REQUIRED_TENSORS = ("q", "k", "v", "g", "beta", "cu_seqlens")
 
 
@@ -42,6 +44,8 @@ class PrefillRequest:
     use_qk_l2norm_in_kernel: bool
     output_final_state: bool
     key: BatchKey
+    session_ids: Optional[List[str]] = None  # one per sequence: continue from / store into these sessions
+    memory_bytes: int = 0                    # the admission's memory estimate (the batcher's launch budget)
 
     @property
     def num_tokens(self) -> int:
@@ -51,11 +55,22 @@ class PrefillRequest:
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
 
+    @property
+    def session_config(self) -> SessionConfig:
+        """The head configuration a session continued by this request must hold."""
+        key = self.key
+        return SessionConfig(key.num_qk_heads, key.num_v_heads, key.head_dim_k, key.head_dim_v,
+                             _DTYPE_NAMES[state_dtype(self.q.dtype)])
+
+    def sequence_lengths(self) -> List[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
 
 @dataclass
 class PrefillResult:
     o: torch.Tensor                        # [T, Hv, V] in v's dtype
     final_state: Optional[torch.Tensor]    # [N, Hv, K, V] float32 (float64 for float64 inputs), or None
+    session_tokens: Optional[List[int]] = None  # tokens each session holds after this request
 
 
 def state_dtype(qkv_dtype: torch.dtype) -> torch.dtype:
@@ -64,8 +79,11 @@ def state_dtype(qkv_dtype: torch.dtype) -> torch.dtype:
 
 
 def prepare_request(tensors: dict, scale: Optional[float], use_qk_l2norm_in_kernel: bool,
-                    output_final_state: bool) -> PrefillRequest:
-    """Check a request with the library's own validation (errors name the field) and build its batch key."""
+                    output_final_state: Optional[bool], session_ids: Optional[List[str]] = None) -> PrefillRequest:
+    """Check a request with the library's own validation (errors name the field) and build its batch key.
+
+    ``output_final_state=None`` means: return the final states unless the request continues sessions (they keep
+    them, and not sending them back is what makes a session's turn cheap)."""
     unknown = sorted(set(tensors) - set(TENSOR_LAYOUTS))
     if unknown:
         raise InputError(unknown[0], f"unknown tensor {unknown[0]!r}; expected {sorted(TENSOR_LAYOUTS)}")
@@ -78,13 +96,25 @@ def prepare_request(tensors: dict, scale: Optional[float], use_qk_l2norm_in_kern
                                    f"{TENSOR_LAYOUTS[name]}, got shape {tuple(x.shape)}")
     q, k, v, g, beta, cu = (tensors[n] for n in REQUIRED_TENSORS)
     h0 = tensors.get("initial_state")
+    if session_ids is not None:
+        if h0 is not None:
+            raise InputError("session_ids", "send either session_ids (each sequence continues its session's "
+                                            "stored state) or initial_state, not both")
+        if len(set(session_ids)) != len(session_ids):
+            raise InputError("session_ids", "a session can take one sequence per request; session_ids repeats one")
     try:
         problem = validate_inputs(q[None], k[None], v[None], g[None], beta[None], scale, h0, cu)
     except (ValueError, TypeError) as error:
         raise InputError.from_api_error(error) from error
+    if session_ids is not None and len(session_ids) != problem.num_seqs:
+        raise InputError("session_ids", f"session_ids must name one session per sequence: {problem.num_seqs} "
+                                        f"sequences (cu_seqlens), {len(session_ids)} session ids")
+    if output_final_state is None:
+        output_final_state = session_ids is None
     if h0 is not None:  # exact upcast for lower precisions; lets requests with and without states share a launch
         h0 = h0.to(state_dtype(q.dtype))
     key = BatchKey(problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                    q.dtype, g.dtype, beta.dtype, problem.scale, bool(use_qk_l2norm_in_kernel))
     return PrefillRequest(q, k, v, g, beta, cu.to(torch.int64), h0, problem.scale,
-                          bool(use_qk_l2norm_in_kernel), bool(output_final_state), key)
+                          bool(use_qk_l2norm_in_kernel), bool(output_final_state), key,
+                          None if session_ids is None else list(session_ids))
