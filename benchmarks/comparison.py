@@ -74,7 +74,7 @@ class RatioSummary:
     def text(self) -> str:
         if not self.rows:
             return "no rows to compare"
-        return (f"geomean {self.geomean:.2f}x (min {self.minimum:.2f}x, {self.at_or_above}/{self.rows} rows "
+        return (f"geomean {self.geomean:.2f}x (min {self.minimum:.3f}x, {self.at_or_above}/{self.rows} rows "
                 f"at or above 1.0)")
 
 
