@@ -9,12 +9,13 @@ Backends:
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
 
-from . import reference
-from .validation import Problem, validate_inputs
+from . import gates, reference, states
+from .validation import Problem, check_cu_seqlens_cpu, check_keywords, validate_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
 _CAPABILITY: dict = {}
@@ -49,28 +50,165 @@ def _kernel_ops():
     return ops
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, scale: Optional[float] = None,
-                           initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                           cu_seqlens: Optional[torch.Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-                           backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Gated DeltaNet chunked prefill, differentiable in q, k, v, g, beta and initial_state.
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, *,
+                           cu_seqlens: Optional[torch.Tensor] = None, cu_seqlens_cpu: Optional[torch.Tensor] = None,
+                           chunk_indices: Optional[torch.Tensor] = None, chunk_size: int = 64,
+                           head_first: bool = False, state_v_first: bool = False,
+                           use_gate_in_kernel: bool = False, A_log: Optional[torch.Tensor] = None,
+                           dt_bias: Optional[torch.Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
+                           allow_neg_eigval: bool = False, initial_state_indices: Optional[torch.Tensor] = None,
+                           state_indices: Optional[torch.Tensor] = None, inplace_update: bool = False,
+                           output_state: Optional[torch.Tensor] = None, output: Optional[torch.Tensor] = None,
+                           auto_cp: bool = True, enable_fwd_cp_cache: bool = True, force_intra_cp: bool = False,
+                           cp_context=None, backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated DeltaNet chunked prefill, differentiable in q, k, v, g, beta, initial_state (and A_log, dt_bias).
+
+    A drop-in for FLA's and FlashQLA's ``chunk_gated_delta_rule``: the first nine arguments are positional as in
+    both, every other one is keyword-only (the two libraries order them differently).
 
     Shapes: q, k [B, T, Hq, K]; v [B, T, Hv, V]; g (natural-log decay, <= 0), beta [B, T, Hv];
     initial_state [N, Hv, K, V]; cu_seqlens [N+1] int32/int64 with B == 1 for packed sequences.
     Hv must be a multiple of Hq (v-head h reads q/k head h // (Hv // Hq)). scale defaults to K**-0.5.
     Returns (o [B, T, Hv, V] in v's dtype, final_state [N, Hv, K, V] float32 or None).
+
+    Keywords (FLA 0.6 / FlashQLA 0.1.3 meanings; docs/integrations.md has the table):
+
+    * ``state_v_first``: every state (initial_state, the pool, output_state, the result) is [..., Hv, V, K].
+    * ``use_gate_in_kernel`` with ``A_log`` [Hv] and optional ``dt_bias`` [Hv]: g is the raw gate and the decay is
+      -exp(A_log) * softplus(g + dt_bias); gradients flow to g, A_log and dt_bias.
+    * ``use_beta_sigmoid_in_kernel``: beta holds logits, sigmoid(beta) is used (2 * sigmoid with
+      ``allow_neg_eigval``, which requires it).
+    * g, beta and initial_state may be float16 / bfloat16 (converted to float32); the final state is float32.
+    * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync);
+      ``chunk_indices``: FLA's precomputed chunk table, checked and not needed (the kernels plan chunks on the
+      device); ``chunk_size`` in (16, 32, 64): accepted, the results do not depend on it (the kernels use 64).
+    * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp``, ``force_intra_cp``,
+      ``enable_fwd_cp_cache``: FlashQLA's intra-card CP controls; the planner here decides CP per shape with the
+      same results, and the backward recomputes instead of caching.
+    * ``cp_context``: a :class:`flash_qla.distributed.CPContext` (``flash_qla.build_cp_context``) runs the
+      multi-GPU path; its context fixes the sequence layout (FLA's rule); any other object is an error.
+    * State pool (serving engines): with ``initial_state_indices`` (or FlashInfer's ``state_indices``) int32 [N],
+      ``initial_state`` is a pool [S, Hv, K, V] and sequence n starts from ``initial_state[indices[n]]``, or from
+      zeros where ``indices[n] < 0`` (padding). ``inplace_update=True`` writes each final state back into its slot
+      (padding writes nothing); ``output_state`` (with ``output_final_state=True``) receives them instead, by slot
+      with indices or [N, ...] without, and is returned as the final state. Without indices, ``inplace_update``
+      overwrites a dense initial_state. No host synchronisation: capturable in a CUDA graph.
+    * ``output``: a buffer for o ([B, T, Hv, V] or [B*T, Hv, V], v's dtype), written and returned.
     """
-    problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                   chunk_indices=chunk_indices, flags=dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                              state_v_first=state_v_first, inplace_update=inplace_update, auto_cp=auto_cp,
+                              enable_fwd_cp_cache=enable_fwd_cp_cache, force_intra_cp=force_intra_cp))
+    problem = validate_inputs(q, k, v, g, beta, scale, None, cu_seqlens)
+    if cu_seqlens_cpu is not None:
+        check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, problem.batch, problem.tokens)
+    if initial_state_indices is not None and state_indices is not None:
+        raise ValueError("pass the pool's slots once: initial_state_indices (SGLang's name) or state_indices "
+                         "(FlashInfer's), not both")
+    indices = initial_state_indices if initial_state_indices is not None else state_indices
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32  # g / state dtype the computation reads
+    if use_gate_in_kernel:  # NOT YET NATIVE: a torch pass before the call (flash_qla/gates.py)
+        gates.check_head_vector("A_log", A_log, problem.num_v_heads, q.device)
+        if dt_bias is not None:
+            gates.check_head_vector("dt_bias", dt_bias, problem.num_v_heads, q.device)
+        g = gates.gdn_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:  # NOT YET NATIVE: likewise
+        beta = gates.beta_from_logits(beta, allow_neg_eigval)
+    g = g if g.dtype == ct else g.to(ct)
+    beta = beta if beta.dtype in (ct, q.dtype) else beta.to(ct)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    plan = states.plan(problem, q.device, initial_state, indices, state_v_first, inplace_update, output_state,
+                       output_final_state, needs_grad)
+    if output is not None:
+        _check_output_buffer(output, v, problem)
+    h0 = states.initial_states(plan, initial_state, ct)
+    if cp_context is not None:
+        if indices is not None:
+            raise ValueError("cp_context splits sequences across GPUs; the state pool (initial_state_indices / "
+                             "state_indices) is not supported with it")
+        o, final = _run_cp(cp_context, q, k, v, g, beta, problem.scale, h0, plan.need_final,
+                           use_qk_l2norm_in_kernel, backend)
+    else:
+        o, final = _run(problem, q, k, v, g, beta, h0, plan.need_final, cu_seqlens, cu_seqlens_cpu,
+                        use_qk_l2norm_in_kernel, chunk_size, auto_cp, backend)
+    final = states.finish(plan, final, output_final_state)
+    if output is not None:
+        output.copy_(o.reshape(output.shape))
+        o = output
+    return o, final
+
+
+def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool,
+         chunk_size: int, auto_cp: bool, backend: str):
+    """One call of the kernels (or the reference) on prepared inputs: (o, final [N, Hv, K, V] or None)."""
     if select_backend(q.device, backend) == "kernels":
         if torch.compiler.is_compiling():  # one opaque custom op for torch.compile (flash_qla.torch_ops)
             from . import torch_ops
-            return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state,
-                                                    cu_seqlens, use_qk_l2norm_in_kernel)
-        return _kernel_ops().chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state,
-                                                    cu_seqlens, use_qk_l2norm_in_kernel)
-    return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
-                                              _host(cu_seqlens), use_qk_l2norm_in_kernel)
+            return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm)
+        ops = _kernel_ops()
+        extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=cu_seqlens_cpu,
+                              auto_cp=None if auto_cp else False)
+        return ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm, **extra)
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens)
+    return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, h0, need_final, cu, l2norm,
+                                              chunk_size=chunk_size)
+
+
+_KERNEL_KEYWORDS: dict = {}  # kernel entry point -> the keyword names it takes (None: any, it has **kwargs)
+
+
+def kernel_extras(fn, **candidates) -> dict:
+    """The optional keywords (those not None) that the kernel entry point ``fn`` accepts, by its signature (read
+    once per function). The others are left out: the kernels then plan without them (same results)."""
+    if fn not in _KERNEL_KEYWORDS:
+        params = inspect.signature(fn).parameters.values()
+        _KERNEL_KEYWORDS[fn] = (None if any(p.kind is p.VAR_KEYWORD for p in params)
+                                else frozenset(p.name for p in params))
+    accepted = _KERNEL_KEYWORDS[fn]
+    return {n: x for n, x in candidates.items() if x is not None and (accepted is None or n in accepted)}
+
+
+def _distributed():
+    """flash_qla.distributed when this build has it, else the reason it does not."""
+    try:
+        from . import distributed
+    except ImportError as e:  # the module is optional; its absence is reported where a context is passed
+        return None, f"{type(e).__name__}: {e}"
+    return distributed, None
+
+
+def _run_cp(cp_context, q, k, v, g, beta, scale, h0, need_final: bool, l2norm: bool, backend: str):
+    """Route a call with a cp_context to the multi-GPU path, or say clearly why it cannot go there."""
+    module, why = _distributed()
+    kind = f"{type(cp_context).__module__}.{type(cp_context).__qualname__}"
+    if module is None:
+        raise TypeError(f"cp_context needs flash_qla.distributed, which is not available here ({why}); got a {kind}")
+    if not isinstance(cp_context, module.CPContext):
+        raise TypeError(f"cp_context must be a flash_qla.distributed.CPContext (made by flash_qla.build_cp_context), "
+                        f"got a {kind}: contexts of FLA or FlashQLA describe their own kernels' partition and cannot "
+                        f"drive these kernels")
+    return module.chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, h0, need_final, l2norm, cp_context, backend)
+
+
+def _check_output_buffer(output, v: torch.Tensor, problem: Problem) -> None:
+    """output= must hold o exactly: [B, T, Hv, V] or packed [B*T, Hv, V], v's dtype and device."""
+    B, T, Hv, V = problem.batch, problem.tokens, problem.num_v_heads, problem.head_dim_v
+    shapes = ((B, T, Hv, V), (B * T, Hv, V))
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"output must be a torch.Tensor of shape [B, T, Hv, V] = {shapes[0]}, got "
+                        f"{type(output).__name__}")
+    if tuple(output.shape) not in shapes:
+        raise ValueError(f"output must have shape [B, T, Hv, V] = {shapes[0]} or [B*T, Hv, V] = {shapes[1]}, got "
+                         f"{tuple(output.shape)}")
+    if output.dtype != v.dtype:
+        raise TypeError(f"output must have v's dtype {v.dtype} (o's dtype), got {output.dtype}")
+    if output.device != v.device:
+        raise ValueError(f"output must be on the inputs' device {v.device}, got {output.device}")
 
 
 def _host(cu_seqlens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -139,3 +139,63 @@ def validate_kernel_inputs(problem: Problem, q, g, beta, initial_state, supporte
     if dims not in supported_head_dims:
         listed = ", ".join(f"(K={a}, V={b})" for a, b in sorted(supported_head_dims))
         raise ValueError(f"head dims (K={dims[0]}, V={dims[1]}) are not built for sm_90a; supported: {listed}")
+
+
+CHUNK_SIZES = (16, 32, 64)  # FLA's accepted chunk sizes; the kernels always run 64 and results do not depend on it
+
+
+def require_bool(name: str, x) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+
+
+def check_keywords(*, head_first, chunk_size, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval, cu_seqlens, cu_seqlens_cpu, chunk_indices, flags: dict) -> None:
+    """The FLA / FlashQLA keywords beyond the tensors: types, the combinations they allow, clear errors otherwise
+    (checked before the tensors, so head_first=True is named before its shapes mislead). flags: every remaining
+    bool keyword by name."""
+    for name, value in dict(flags, head_first=head_first, use_gate_in_kernel=use_gate_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval=allow_neg_eigval).items():
+        require_bool(name, value)
+    if head_first:
+        raise ValueError("head_first=True ([B, H, T, ...] inputs) is not supported, as in FLA and FlashQLA: pass "
+                         "[B, T, H, ...] tensors (x.transpose(1, 2)) with head_first=False")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES} (FLA's sizes), got {chunk_size!r}; the results do "
+                         f"not depend on it: the kernels always use chunks of 64")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True scales sigmoid(beta) to [0, 2) and so requires "
+                         "use_beta_sigmoid_in_kernel=True (as in FLA)")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True computes g = -exp(A_log) * softplus(g + dt_bias) and requires A_log "
+                         "[Hv]")
+    if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
+        given = " and ".join(n for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is not None)
+        raise ValueError(f"{given} given with use_gate_in_kernel=False: they are read only when g is the raw gate "
+                         f"(use_gate_in_kernel=True); pass that, or compute g yourself and leave them out")
+    if chunk_indices is not None:
+        if cu_seqlens is None:
+            raise ValueError("chunk_indices describes the chunks of a packed varlen batch and needs cu_seqlens")
+        if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in INDEX_DTYPES \
+                or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+            shown = (f"{_dtype_name(chunk_indices.dtype)} {tuple(chunk_indices.shape)}"
+                     if isinstance(chunk_indices, torch.Tensor) else type(chunk_indices).__name__)
+            raise ValueError(f"chunk_indices must be an int32/int64 tensor [num_chunks, 2] (FLA's (sequence, chunk) "
+                             f"pairs), got {shown}")
+    if cu_seqlens_cpu is not None and cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens")
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens: torch.Tensor, batch: int, tokens: int) -> None:
+    """The host copy of cu_seqlens: a CPU tensor of cu_seqlens' shape whose values are valid offsets (read for free
+    on the host), equal to cu_seqlens' values where those are on the host too (never a device sync)."""
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+        where = cu_seqlens_cpu.device if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__
+        raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got {where}")
+    if cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, got "
+                         f"{tuple(cu_seqlens_cpu.shape)}")
+    check_cu_seqlens(cu_seqlens_cpu, batch, tokens)
+    if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
+        raise ValueError("cu_seqlens_cpu must hold the values of cu_seqlens")

@@ -1,0 +1,182 @@
+"""Recurrent-state input and output around the kernel call: the state layout, the state pool and output buffers.
+
+The kernels read an initial state ``[N, Hv, K, V]`` float32 and write a final state of the same shape. Callers
+keep states in other forms, and this module turns one into the other with device-side torch ops only (no host
+synchronisation, no boolean indexing, so a call stays capturable in a CUDA graph):
+
+* layout: ``state_v_first=True`` keeps every state as ``[..., V, K]`` (FLA's and FlashInfer's V-first layout);
+* dtype: float16 / bfloat16 (or float64 on the reference path) states are read into the compute dtype and written
+  back in their own dtype;
+* the pool: ``initial_state`` ``[S, Hv, K, V]`` (``[S, Hv, V, K]`` V-first) indexed by ``indices`` int32 ``[N]``:
+  sequence n starts from ``pool[indices[n]]``, or from zeros when ``indices[n] < 0`` (padding). The final states are
+  written back into their slots with ``inplace_update=True`` (SGLang's spelling) or into ``output_state`` (FlashInfer's,
+  ``output_state is initial_state`` for in place); padding entries write nothing.
+
+NOT YET NATIVE IN THE KERNELS: the V-first transposes, the pool gather (index_select) and the slot write-back
+(index_copy_) run here as separate torch passes over the states; the kernels are to read / write those addresses
+themselves (per-sequence slot index, per-layout strides), which removes these copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .validation import Problem
+
+def _layout(v_first: bool, first: str) -> str:
+    return f"[{first}, Hv, V, K]" if v_first else f"[{first}, Hv, K, V]"
+
+
+def _check_state_like(name: str, x, problem: Problem, v_first: bool, rows: Optional[int], device) -> None:
+    """A 4-D floating state tensor in the call's layout on the inputs' device: [rows, Hv, ., .], or a pool of any
+    number of slots (rows None)."""
+    K, V, Hv = problem.head_dim_k, problem.head_dim_v, problem.num_v_heads
+    inner = (V, K) if v_first else (K, V)
+    letters = _layout(v_first, "N" if rows is not None else "S")
+    layout = " (state_v_first=True)" if v_first else ""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {letters}, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {str(x.dtype).replace('torch.', '')}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have 4 dims {letters}{layout}, got shape {tuple(x.shape)}")
+    if rows is None:
+        if tuple(x.shape[1:]) != (Hv, *inner) or x.shape[0] < 1:
+            raise ValueError(f"{name} must have shape {letters} = (S, {Hv}, {inner[0]}, {inner[1]}) with S >= 1 "
+                             f"slots{layout}, got {tuple(x.shape)}")
+    elif tuple(x.shape) != (rows, Hv, *inner):
+        n_is = "len(cu_seqlens) - 1" if problem.varlen else "B"
+        raise ValueError(f"{name} must have shape {letters} = {(rows, Hv, *inner)} (N = {n_is}){layout}, "
+                         f"got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {x.device}")
+
+
+def check_indices(indices, problem: Problem, pool_slots: int, device, name: str = "initial_state_indices") -> None:
+    """int32/int64 [N] on the inputs' device. Values are read only when they live on the CPU (no device sync):
+    each must be < S, negative means padding, and no slot may be named twice."""
+    N = problem.num_seqs
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of N = {N} pool slots, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 (or int64), got {str(indices.dtype).replace('torch.', '')}")
+    if indices.dim() != 1 or indices.numel() != N:
+        raise ValueError(f"{name} must be 1-D with one slot per sequence (N = {N}), got shape {tuple(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {indices.device}")
+    if indices.device.type == "cpu":
+        vals = indices.tolist()
+        big = [i for i in vals if i >= pool_slots]
+        if big:
+            raise ValueError(f"{name} names slot {big[0]} of a pool of S = {pool_slots} slots (valid: 0..{pool_slots - 1}, "
+                             f"or -1 for padding)")
+        live = [i for i in vals if i >= 0]
+        if len(set(live)) != len(live):
+            dup = next(i for i in live if live.count(i) > 1)
+            raise ValueError(f"{name} names slot {dup} for more than one sequence; each slot holds one sequence's state")
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """How the states of one call are read and written (built by :func:`plan`)."""
+    v_first: bool
+    pool: Optional[torch.Tensor]        # initial_state as a pool (with indices)
+    indices: Optional[torch.Tensor]     # [N] slots, negative = padding
+    write_to: Optional[torch.Tensor]    # where final states go by slot (pool) or row (dense): inplace / output_state
+    return_written: bool                # the call returns write_to (output_state) as its final state
+    need_final: bool                    # the kernel must produce the final states
+    copy_h0: bool                       # the initial state is overwritten in place but autograd reads it: copy it
+
+
+def plan(problem: Problem, device: torch.device, initial_state, indices, state_v_first: bool, inplace_update: bool,
+         output_state, output_final_state: bool, needs_grad: bool = False) -> StatePlan:
+    """Check every state argument against the call's sizes and layout; say what the call reads and writes.
+    needs_grad: autograd records this call (the backward then reads the initial state it was given)."""
+    if indices is not None:
+        if initial_state is None:
+            raise ValueError("initial_state_indices (state_indices) needs initial_state: the pool [S, Hv, K, V] "
+                             "([S, Hv, V, K] with state_v_first) it indexes")
+        _check_state_like("initial_state (the state pool)", initial_state, problem, state_v_first, None, device)
+        check_indices(indices, problem, initial_state.shape[0], device)
+    elif initial_state is not None:
+        _check_state_like("initial_state", initial_state, problem, state_v_first, problem.num_seqs, device)
+    if inplace_update and output_state is not None:
+        raise ValueError("pass inplace_update=True (write into initial_state) or output_state (write there), not both")
+    write_to = None
+    if inplace_update:
+        if initial_state is None:
+            raise ValueError("inplace_update=True writes the final states into initial_state, which is None")
+        write_to = initial_state
+    elif output_state is not None:
+        if not output_final_state:
+            raise ValueError("output_state receives the final states, which only output_final_state=True produces "
+                             "(FlashInfer's rule); pass output_final_state=True")
+        rows = None if indices is not None else problem.num_seqs
+        _check_state_like("output_state", output_state, problem, state_v_first, rows, device)
+        write_to = output_state
+    if write_to is not None and write_to.requires_grad and torch.is_grad_enabled():
+        raise ValueError("the final states are written in place into a tensor that requires grad; in-place state "
+                         "writes are for inference (pass a detached pool, or run under torch.no_grad())")
+    copy_h0 = needs_grad and indices is None and write_to is not None and write_to is initial_state
+    return StatePlan(state_v_first, initial_state if indices is not None else None, indices, write_to,
+                     output_state is not None, output_final_state or write_to is not None, copy_h0)
+
+
+def _swap(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def initial_states(p: StatePlan, initial_state: Optional[torch.Tensor],
+                   dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """The kernels' initial state: [N, Hv, K, V] in ``dtype`` (float32; float64 on the reference's float64 path),
+    or None. Differentiable."""
+    if initial_state is None:
+        return None
+    if p.indices is None:
+        h0 = initial_state.clone() if p.copy_h0 else initial_state
+    else:  # gather the slots; padding (negative) entries read slot 0 and are zeroed
+        valid = (p.indices >= 0).view(-1, 1, 1, 1)
+        rows = p.pool.index_select(0, p.indices.clamp_min(0).long())
+        h0 = torch.where(valid, rows, rows.new_zeros(()))
+    h0 = h0 if h0.dtype == dtype else h0.to(dtype)
+    return _swap(h0) if p.v_first else h0
+
+
+def _write_rows(target: torch.Tensor, indices: Optional[torch.Tensor], rows: torch.Tensor) -> None:
+    """target[indices[n]] = rows[n] for every indices[n] >= 0 (target[n] = rows[n] without indices).
+
+    No host sync and no data-dependent shapes: every entry writes the row its slot must end with, so entries that
+    share a slot (padding entries are sent to slot 0) write identical bytes. The sequence owning slot s is the
+    largest n with indices[n] == s (scatter_reduce amax), or none; an unowned slot gets its own old row back."""
+    with torch.no_grad():
+        rows = rows.to(target.dtype)
+        if indices is None:
+            target.copy_(rows)
+            return
+        n = indices.numel()
+        slot = indices.clamp_min(0).long()
+        seq = torch.arange(n, device=indices.device, dtype=torch.long)
+        owner = torch.full((target.shape[0],), -1, device=indices.device, dtype=torch.long)
+        owner.scatter_reduce_(0, slot, torch.where(indices >= 0, seq, -1), reduce="amax", include_self=True)
+        winner = owner.index_select(0, slot)
+        new = rows.index_select(0, winner.clamp_min(0))
+        keep = target.index_select(0, slot)
+        target.index_copy_(0, slot, torch.where((winner >= 0).view(-1, 1, 1, 1), new, keep))
+
+
+def finish(p: StatePlan, final: Optional[torch.Tensor], output_final_state: bool) -> Optional[torch.Tensor]:
+    """Write the kernels' final states ([N, Hv, K, V]) where the plan says; return the call's final-state result:
+    output_state when given, else the final states in the caller's layout (contiguous) when asked for, else None."""
+    if not p.need_final:
+        return None
+    out = _swap(final).contiguous() if p.v_first else final
+    if p.write_to is not None:
+        _write_rows(p.write_to, p.indices, out)
+        if p.return_written:
+            return p.write_to
+    return out if output_final_state else None
+
+
+__all__ = ["StatePlan", "plan", "check_indices", "initial_states", "finish"]
