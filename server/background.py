@@ -27,7 +27,8 @@ class BackgroundServer:
         self._socket.bind((config.host, config.port))
         self.port = self._socket.getsockname()[1]
         self.url = f"http://{config.host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                     timeout_keep_alive=config.timeout_keep_alive_s))
         self._thread: Optional[threading.Thread] = None
         self._startup_timeout_s = startup_timeout_s
 
@@ -56,6 +57,7 @@ class BackgroundServer:
         return self.service.ready.ready
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """A graceful shutdown, as on SIGTERM: open requests finish, sessions are written to the state dir."""
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -1,0 +1,285 @@
+"""Sessions of the prefill service, end to end on the reference backend: real uvicorn servers on 127.0.0.1.
+
+A session's sequence split over several requests must equal the one-shot answer to fp32 round-off, whether the
+state stayed in the pool, went to disk and back (LRU eviction), or crossed a graceful restart.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from flash_qla.reference import relative_l2
+from server.background import BackgroundServer
+from server.client import PrefillClient, PrefillError
+from server.codec import encode_safetensors_request, safetensors_metadata
+from server.config import ServiceConfig
+from server.sessions import SessionStore
+from test_server import CLIENT_TIMEOUT, HQ, HV, K, TOLERANCE, V, expected, make_inputs, wait_until
+
+STATE_BYTES = HV * K * V * 4
+
+
+def split(x, bounds):
+    """One sequence's tensors cut at token offsets ``bounds`` into consecutive one-sequence requests."""
+    edges = [0, *bounds, x["q"].shape[0]]
+    parts = []
+    for t0, t1 in zip(edges[:-1], edges[1:]):
+        part = {n: x[n][t0:t1] for n in ("q", "k", "v", "g", "beta")}
+        part["cu_seqlens"] = torch.tensor([0, t1 - t0], dtype=torch.int64)
+        parts.append(part)
+    return parts
+
+
+def prefill(client: PrefillClient, part, session_ids, **options):
+    return client.prefill(*(part[n] for n in ("q", "k", "v", "g", "beta")), part["cu_seqlens"],
+                          session_ids=session_ids, **options)
+
+
+def assert_close(actual, reference):
+    assert actual.shape == reference.shape
+    assert relative_l2(actual, reference) < TOLERANCE, relative_l2(actual, reference)
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=5, max_batch_tokens=4096)
+    with BackgroundServer(config) as s:
+        assert s.wait_ready(30), s.service.ready
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with PrefillClient(server.url, timeout=30.0) as c:
+        yield c
+
+
+def test_three_requests_in_one_session_equal_the_one_shot_answer(server, client):
+    x = make_inputs([150], seed=11)           # crosses chunk boundaries inside and between requests
+    o_ref, final_ref = expected(x)
+    one_shot = prefill(client, x, None)        # the service's own stateless answer, for the same comparison
+    assert_close(one_shot.o, o_ref)
+
+    sid = client.create_session()
+    outs = []
+    for i, part in enumerate(split(x, [37, 101])):
+        out = prefill(client, part, [sid])
+        assert out.final_state is None          # sessions keep their states; nothing comes back by default
+        outs.append(out.o)
+        assert out.session_tokens == [[37, 101, 150][i]]
+    assert_close(torch.cat(outs), o_ref)
+    assert_close(torch.cat(outs), one_shot.o)
+    assert_close(client.get_state(sid), final_ref[0])
+    info = client.session(sid)
+    assert info["tokens"] == 150 and info["location"] == "pool"
+    assert info["head_config"] == {"num_qk_heads": HQ, "num_v_heads": HV, "head_dim_k": K, "head_dim_v": V,
+                                   "state_dtype": "float32"}
+
+
+def test_sessions_and_stateless_sequences_share_one_request(server, client):
+    """Two packed sequences continuing two sessions, JSON encoding, final states asked for explicitly."""
+    x = make_inputs([20, 33], seed=12)
+    a, b = client.create_session(), client.create_session()
+    first = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+    body = {name: t.tolist() for name, t in x.items()}
+    r = httpx.post(server.url + "/v1/prefill", json={**body, "session_ids": [a, b], "output_final_state": True},
+                   timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 200, r.text
+    o_ref, final_ref = expected(x)
+    assert_close(torch.tensor(r.json()["o"]), o_ref)
+    assert_close(torch.tensor(r.json()["final_state"]), final_ref)
+    assert r.json()["session_tokens"] == [20, 33]
+    assert_close(client.get_state(a), final_ref[0])
+    assert_close(client.get_state(b), final_ref[1])
+    del first
+
+
+def test_session_errors_answer_404_409_422_with_reasons(server, client):
+    x = make_inputs([5], seed=13)
+    with pytest.raises(PrefillError) as e:
+        prefill(client, x, ["A" * 22])
+    assert e.value.status == 404 and e.value.reason == "session_not_found"
+    with pytest.raises(PrefillError) as e:
+        prefill(client, x, ["../../etc/passwd"])
+    assert e.value.status == 404
+    sid = client.create_session()
+    with pytest.raises(PrefillError) as e:
+        client.get_state(sid)
+    assert e.value.status == 409 and e.value.reason == "no_state_yet"
+    prefill(client, x, [sid])
+    # another head configuration on the same session: 409, and the session is untouched
+    other = {**x, "q": x["q"][:, :1], "k": x["k"][:, :1]}        # Hq 2 -> 1
+    with pytest.raises(PrefillError) as e:
+        prefill(client, other, [sid])
+    assert e.value.status == 409 and e.value.reason == "session_config_mismatch" and "Hq=2" in e.value.message
+    assert client.session(sid)["tokens"] == 5
+    # session_ids with initial_state, a repeated id, or the wrong count: 422 naming session_ids
+    two = make_inputs([3, 4], seed=14, with_state=True)
+    for ids, body in (([sid, client.create_session()], two), ([sid, sid], {**two, "initial_state": None}),
+                      ([sid], {**two, "initial_state": None})):
+        r = httpx.post(server.url + "/v1/prefill", content=encode_safetensors_request(body, session_ids=ids),
+                       headers={"content-type": "application/octet-stream"}, timeout=CLIENT_TIMEOUT)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "session_ids"], r.text
+    client.delete_session(sid)
+    with pytest.raises(PrefillError) as e:
+        client.session(sid)
+    assert e.value.status == 404
+    with pytest.raises(PrefillError) as e:
+        prefill(client, x, [sid])
+    assert e.value.status == 404
+
+
+def test_expired_session_is_404_with_reason_never_a_zero_state(server, client):
+    sid = client.create_session(ttl_s=0.2)
+    x = make_inputs([4], seed=15)
+    prefill(client, x, [sid])
+    threading.Event().wait(0.4)
+    with pytest.raises(PrefillError) as e:
+        prefill(client, x, [sid])
+    assert e.value.status == 404 and e.value.reason == "session_expired"
+    r = httpx.post(server.url + "/v1/sessions", json={"ttl_s": -1}, timeout=CLIENT_TIMEOUT)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "ttl_s"]
+
+
+def test_requests_on_one_session_apply_in_arrival_order():
+    """Eight turns of one session queued back to back before any runs: the batcher takes one per launch, in
+    arrival order, so the outputs equal the one-shot answer's rows (a reordering would change them)."""
+    x = make_inputs([8 * 6], seed=16)
+    o_ref, _ = expected(x)
+    parts = split(x, [6 * i for i in range(1, 8)])
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=400)
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert server.wait_ready(30)
+        sid = client.create_session()
+        bodies = [encode_safetensors_request(p, session_ids=[sid]) for p in parts]
+        answers = [None] * len(bodies)
+        batcher = server.service.batcher
+        launches_before = batcher.launches
+        with httpx.Client(timeout=CLIENT_TIMEOUT, limits=httpx.Limits(max_connections=16)) as http:
+            def send(i):
+                answers[i] = http.post(server.url + "/v1/prefill", content=bodies[i],
+                                       headers={"content-type": "application/octet-stream"})
+            threads = []
+            for i in range(len(bodies)):  # each send waits until the previous one is queued: arrival order = i
+                threads.append(threading.Thread(target=send, args=(i,)))
+                threads[-1].start()
+                assert wait_until(lambda: batcher.queue_depth == i + 1, 5)
+            for t in threads:
+                t.join(30)
+        assert batcher.launches - launches_before == 8
+    assert all(a.status_code == 200 for a in answers)
+    tokens = [json.loads(safetensors_metadata(a.content)["session_tokens"]) for a in answers]
+    assert tokens == [[6 * (i + 1)] for i in range(8)]
+    assert_close(torch.cat([load_safetensors(a.content)["o"] for a in answers]), o_ref)
+
+
+def test_64_concurrent_clients_continue_their_own_sessions_exactly(server):
+    """64 clients, each with its own session, three turns each at the same time; every answer equals the
+    one-shot reference of that client's sequence, and every session holds all of its tokens."""
+    clients, turns = 64, 3
+    inputs = [make_inputs([9 + (5 * i) % 23], seed=1000 + i) for i in range(clients)]
+    launches_before = server.service.batcher.launches
+
+    def agent(i):
+        with PrefillClient(server.url, timeout=60.0) as c:
+            sid = c.create_session()
+            x = inputs[i]
+            T = x["q"].shape[0]
+            outs = [prefill(c, part, [sid]).o for part in split(x, [T // 3, 2 * T // 3])]
+            return sid, torch.cat(outs), c.get_state(sid), c.session(sid)["tokens"]
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        results = list(pool.map(agent, range(clients), timeout=120))
+    for x, (sid, o, state, tokens) in zip(inputs, results):
+        o_ref, final_ref = expected(x)
+        assert_close(o, o_ref)
+        assert_close(state, final_ref[0])
+        assert tokens == x["q"].shape[0]
+    launches = server.service.batcher.launches - launches_before
+    assert launches < clients * turns, "no turns of different sessions were merged"
+
+
+def test_eviction_to_disk_and_back_is_exact(tmp_path):
+    """A pool of two states, five sessions taking turns: states go to disk and come back, answers exact."""
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=1, max_state_mb=2 * STATE_BYTES / 2**20,
+                           state_dir=tmp_path)
+    inputs = [make_inputs([45], seed=200 + i) for i in range(5)]
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert server.wait_ready(30)
+        sids = [client.create_session() for _ in inputs]
+        outs = [[] for _ in inputs]
+        for bounds in ([0, 15], [15, 30], [30, 45]):
+            for i, x in enumerate(inputs):
+                part = split(x, [bounds[0], bounds[1]])[1]
+                outs[i].append(prefill(client, part, [sids[i]]).o)
+        stats = server.service.store.stats()
+        assert stats["spills"] >= 8 and stats["loads"] >= 6, stats
+        assert stats["pool_bytes"] <= 2 * STATE_BYTES and stats["on_disk"] == 3
+        on_disk = [s for s in sids if client.session(s)["location"] == "disk"]
+        assert len(on_disk) == 3 and all((tmp_path / f"{s}.safetensors").exists() for s in on_disk)
+        for i, x in enumerate(inputs):
+            o_ref, final_ref = expected(x)
+            assert_close(torch.cat(outs[i]), o_ref)
+            assert_close(client.get_state(sids[i]), final_ref[0])
+
+
+def test_full_pool_without_state_dir_is_507_and_nothing_is_lost():
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=1, max_state_mb=STATE_BYTES / 2**20)
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert server.wait_ready(30)
+        a, b = client.create_session(), client.create_session()
+        x = make_inputs([6], seed=300)
+        prefill(client, x, [a])
+        with pytest.raises(PrefillError) as e:
+            prefill(client, x, [b])
+        assert e.value.status == 507 and e.value.reason == "state_memory_full" and "--state-dir" in e.value.message
+        assert_close(client.get_state(a), expected(x)[1][0])
+        client.delete_session(a)
+        prefill(client, x, [b])  # the freed row takes the next session
+        assert client.session(b)["tokens"] == 6
+
+
+def test_graceful_restart_in_process_keeps_every_session(tmp_path):
+    """Stop (the shutdown SIGTERM triggers) and start again on the same --state-dir, mid-sequence."""
+    x = make_inputs([90], seed=400)
+    o_ref, final_ref = expected(x)
+    parts = split(x, [30, 60])
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=1, state_dir=tmp_path)
+    outs = []
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert server.wait_ready(30)
+        sid = client.create_session()
+        fresh = client.create_session()                 # no prefill yet: survives as a record
+        outs.append(prefill(client, parts[0], [sid]).o)
+    for part in parts[1:]:
+        with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+            assert server.wait_ready(30)
+            assert client.session(fresh)["location"] == "none"
+            outs.append(prefill(client, part, [sid]).o)
+    assert_close(torch.cat(outs), o_ref)
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert_close(client.get_state(sid), final_ref[0])
+
+
+def test_state_dir_takes_one_server_only(tmp_path):
+    first = SessionStore(torch.device("cpu"), 2**20, tmp_path)
+    first.open()
+    try:
+        with pytest.raises(RuntimeError, match="in use by another server"):
+            SessionStore(torch.device("cpu"), 2**20, tmp_path).open()
+    finally:
+        first.close()
+
+
+def test_unreadable_state_file_is_set_aside_not_read(tmp_path):
+    (tmp_path / ("B" * 22 + ".safetensors")).write_bytes(b"garbage")
+    store = SessionStore(torch.device("cpu"), 2**20, tmp_path)
+    assert store.open() == 0
+    store.close()
+    assert (tmp_path / ("B" * 22 + ".safetensors.unreadable")).exists()
