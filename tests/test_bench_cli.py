@@ -2,7 +2,6 @@
 import json
 import math
 import subprocess
-import time
 import sys
 from pathlib import Path
 
@@ -118,18 +117,24 @@ def test_module_entry_point_runs(tmp_path):
     assert len(read_jsonl(out)) == 2 and "[2/2] fwd|tiny-gva|40+70" in proc.stderr
 
 
-def test_eager_counts_follow_peer_bench_time_budgets():
-    """Without --warmup / --iters the eager call counts come from do_bench's budgets (10 ms, 60 ms), as peer_bench.py
-    times the peers: a 4 ms call gets ~2 warm-up and ~15 timed calls, a 0.5 ms call ~20 and ~120."""
+def test_eager_counts_follow_peer_bench_time_budgets(monkeypatch):
+    """Without --warmup / --iters the eager call counts come from do_bench's budgets (10 ms, 60 ms), as the peers are
+    timed: a ~3.9 ms call gets 2 warm-up and 15 timed calls, a ~0.49 ms call 20 and 122. A fake clock that each call
+    advances by exactly its duration (binary fractions of a second, so no rounding) keeps the counts independent of
+    the machine's load."""
     from flash_qla.bench import timing
-    for call_ms, want_warmup, want_iters in ((4.0, 2, 15), (0.5, 20, 120)):
-        def call(seconds=call_ms / 1e3):
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
-        warmup, iters = timing.eager_counts(call, torch.device("cpu"))
-        assert abs(warmup - want_warmup) <= max(1, want_warmup // 4), (call_ms, warmup)
-        assert abs(iters - want_iters) <= want_iters // 4, (call_ms, iters)
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+    clock = Clock()
+    monkeypatch.setattr(timing, "time", clock)
+    for seconds, want_warmup, want_iters in ((1 / 256, 2, 15), (1 / 2048, 20, 122)):
+        def call(seconds=seconds):
+            clock.now += seconds
+        assert timing.eager_counts(call, torch.device("cpu")) == (want_warmup, want_iters), seconds
 
 
 def test_cli_default_counts_are_recorded(tmp_path):
