@@ -1,0 +1,497 @@
+"""Context parallelism across ranks (torch.distributed): one packed batch sharded over a process group.
+
+Conventions (FLA 0.6's ``fla.ops.cp``): the packed global batch (B == 1, ``cu_seqlens_global``) is split into
+``world_size`` equal contiguous token ranges, rank r holding tokens [r * P, (r + 1) * P) with P = T / world_size; a
+sequence may span any number of ranks. ``build_cp_context`` turns the global offsets into this rank's local ones;
+``chunk_gated_delta_rule_cp`` takes this rank's shard of q, k, v, g, beta and returns its shard of o. Every rank of
+the group must make the same calls (forward and backward): they exchange boundary states through collectives.
+
+States, per local sequence (``ctx.cu_seqlens`` order, ``ctx.seq_ids`` names their global indices):
+* ``initial_state`` [N_local, Hv, K, V]: row i is the initial state of local sequence i when that sequence starts on
+  this rank. A sequence continued from an earlier rank (row 0 when ``ctx.pre_num_ranks > 0``) enters with the
+  earlier rank's state; its row must be zero (anything else is an error) and gets a zero gradient.
+* final state [N_local, Hv, K, V] float32: row i is the state after this rank's last token of local sequence i.
+  For a sequence that ends on this rank it is the sequence's final state; for one that goes on to a later rank it is
+  the state handed over at the boundary, and the sequence's final state is returned by the rank where it ends.
+  Both are differentiable.
+
+Algorithm. The state leaving a rank is affine in the state entering it: h_out = M h_in + Z, with Z the rank's own
+contribution (zero entering state) and M the product of the per-token transitions
+exp(g_t) (I - beta_t k_t k_t^T) (K x K). Forward, on a rank whose last sequence goes on to the next rank:
+  1. warm-up (gate-driven, as the intra-card CP of :mod:`flash_qla.cp`): per v-head, the fewest trailing tokens whose
+     summed g is <= WARMUP_LOG_DECAY (-10). Over them the transition has norm <= exp(sum g) as long as every factor is
+     non-expansive (0 <= beta |k|^2 <= 2), so the state obtained by running just those tokens from zero differs from
+     the true outgoing state by at most e^-10 ~ 4.5e-5 of the state entering the warm-up: Z_tail, M = 0.
+  2. heads whose gate does not decay that far within ``warmup_tokens`` (g = 0 heads) run the window of
+     ``warmup_tokens`` tokens with the transition computed too (one call: v widened by K zero columns, the initial
+     state by the identity, so the extra columns of the final state are the window's transition); where its
+     Frobenius norm (a bound of the spectral norm) is <= e^-10 the same truncation bound holds, measured rather than
+     derived from the gate.
+  3. the rest are exact: Z over the rank's part of the sequence (from the user's initial state where the sequence
+     starts on this rank, M = 0) or, for a rank lying inside one sequence that continues both ways, Z from zero and
+     the exact transition M over the whole shard.
+Then one all-gather of (Z, M) and each rank folds its chain: h_in[r] = Z[j] then h = Z[s] + M[s] h for the ranks s
+between the sequence's start rank j and r. The local pass runs the public ``flash_qla.chunk_gated_delta_rule``
+(the sm_90a kernels on CUDA, the reference on CPU) with h_in as its entering state.
+Backward, the reverse direction: the gradient of the state leaving rank r is the gradient of the state entering
+rank r + 1, dh_in = M^T dh_out + D, with D the gradient that rank's tokens alone give (zero dht). Each rank whose
+first sequence is continued computes D over its first tokens (the reverse warm-up: the fewest leading tokens whose
+summed g is <= -10, or the measured transition of the window, or exactly) by autograd through the public function on
+that slice, one all-gather of (D, M) and each rank folds from the end of its last sequence back, adding the result
+to the final-state gradient of its last sequence before its local backward runs (by autograd through the public
+function, which never recomputes the forward). The shortcuts make the result exact up to the e^-10 truncation,
+the bound the intra-card CP already meets; ``warmup_tokens=0`` makes every boundary exact.
+
+On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
+TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
+WARMUP_TOKENS = 8192              # longest warm-up window before a boundary falls back to the exact transition
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """Which tokens and sequences this rank holds and how its sequences link to the neighbouring ranks.
+
+    ``cu_seqlens`` (int32, on the global offsets' device) and ``cu_seqlens_cpu`` (int64) are the local offsets;
+    ``seq_ids`` the global indices of the local sequences; ``pre_num_ranks`` how many earlier ranks hold part of
+    local sequence 0 (0: it starts here); ``post_num_ranks`` how many later ranks hold part of the last local sequence
+    (0: it ends here). ``pre_all`` / ``post_all`` / ``nseq_all`` hold the same for every rank of the group, so each
+    rank knows the whole chain without communicating."""
+    group: Optional[object]
+    rank: int
+    world_size: int
+    part_len: int
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    seq_ids: Tuple[int, ...]
+    pre_num_ranks: int
+    post_num_ranks: int
+    pre_all: Tuple[int, ...]
+    post_all: Tuple[int, ...]
+    nseq_all: Tuple[int, ...]
+    warmup_tokens: int = WARMUP_TOKENS
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Local sequence 0 starts on this rank (FLA's name)."""
+        return self.pre_num_ranks == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        """The last local sequence ends on this rank (FLA's name)."""
+        return self.post_num_ranks == 0
+
+    @property
+    def has_links(self) -> bool:
+        """Whether any sequence of the group crosses a rank boundary (otherwise no rank communicates)."""
+        return any(p > 0 for p in self.post_all)
+
+    def transit(self, r: int) -> bool:
+        """Rank r lies inside one sequence that goes on in both directions."""
+        return self.pre_all[r] > 0 and self.post_all[r] > 0 and self.nseq_all[r] == 1
+
+
+def _rank_meta(cu: List[int], start: int, end: int, rank: int, part_len: int):
+    first = next(i for i in range(len(cu) - 1) if cu[i + 1] > start)
+    last = next(i for i in range(len(cu) - 2, -1, -1) if cu[i] < end)
+    local = [0] + [min(max(cu[i + 1], start), end) - start for i in range(first, last + 1)]
+    pre = rank - cu[first] // part_len
+    post = (cu[last + 1] - 1) // part_len - rank
+    return local, tuple(range(first, last + 1)), pre, post
+
+
+def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens: int = WARMUP_TOKENS,
+                     cu_seqlens_cpu: Optional[torch.Tensor] = None) -> CPContext:
+    """This rank's share of a packed batch split into equal contiguous token ranges over ``group``.
+
+    cu_seqlens_global: [N + 1] int32/int64 offsets of the whole packed batch (any device); every sequence must hold
+    at least one token and the total must be a multiple of the group's size. group: a torch.distributed process
+    group (None: the default group). warmup_tokens: the longest warm-up window tried before a boundary uses the exact
+    transition (0: always exact). cu_seqlens_cpu: the same offsets on the host, to skip a device-to-host copy."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_cp_context needs torch.distributed initialised (dist.init_process_group)")
+    if not isinstance(cu_seqlens_global, torch.Tensor) or cu_seqlens_global.dtype not in (torch.int32, torch.int64):
+        raise TypeError("cu_seqlens_global must be an int32/int64 torch.Tensor of the global offsets")
+    if cu_seqlens_global.dim() != 1 or cu_seqlens_global.numel() < 2:
+        raise ValueError(f"cu_seqlens_global must be 1-D with N+1 >= 2 entries, got shape "
+                         f"{tuple(cu_seqlens_global.shape)}")
+    if isinstance(warmup_tokens, bool) or not isinstance(warmup_tokens, int) or warmup_tokens < 0:
+        raise ValueError(f"warmup_tokens must be a non-negative int, got {warmup_tokens!r}")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens_global).cpu().long().tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_global must start at 0, got {cu[0]}")
+    empty = next((i for i in range(len(cu) - 1) if cu[i + 1] <= cu[i]), None)
+    if empty is not None:
+        raise ValueError(f"cu_seqlens_global must be strictly increasing (every sequence at least one token): "
+                         f"sequence {empty} spans [{cu[empty]}, {cu[empty + 1]})")
+    total = cu[-1]
+    if total % world_size != 0:
+        raise ValueError(f"the total token count {total} must be divisible by the group's size {world_size}")
+    part = total // world_size
+    metas = [_rank_meta(cu, r * part, (r + 1) * part, r, part) for r in range(world_size)]
+    local, seq_ids, pre, post = metas[rank]
+    local_cpu = torch.tensor(local, dtype=torch.int64)
+    return CPContext(group=group, rank=rank, world_size=world_size, part_len=part,
+                     cu_seqlens=local_cpu.to(device=cu_seqlens_global.device, dtype=torch.int32),
+                     cu_seqlens_cpu=local_cpu, seq_ids=seq_ids, pre_num_ranks=pre, post_num_ranks=post,
+                     pre_all=tuple(m[2] for m in metas), post_all=tuple(m[3] for m in metas),
+                     nseq_all=tuple(len(m[1]) for m in metas), warmup_tokens=warmup_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# local passes through the public single-device function
+
+@dataclass
+class _Call:
+    """The arguments every local pass shares."""
+    scale: float
+    l2norm: bool
+    backend: str
+    group_size: int       # v-heads per q/k head
+    state_dtype: torch.dtype
+
+    def run(self, q, k, v, g, beta, h0=None, final=True):
+        from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=self.scale, initial_state=h0, output_final_state=final,
+                                      use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend)
+
+
+def _heads(call: _Call, idx: Optional[torch.Tensor], q, k, v, g, beta):
+    """The v-heads ``idx`` as a problem of their own (q / k heads repeated per v-head); None: all heads."""
+    if idx is None:
+        return q, k, v, g, beta
+    qk_idx = torch.div(idx, call.group_size, rounding_mode="floor")
+    return (q.index_select(2, qk_idx), k.index_select(2, qk_idx), v.index_select(2, idx), g.index_select(2, idx),
+            beta.index_select(2, idx))
+
+
+def _widened(call: _Call, v, h0, want_transition: bool):
+    """v and h0 widened by K zero columns / the identity: the extra columns of the final state are the window's
+    transition M (S_w = M S_0 for v = 0), computed in the same pass as the contribution."""
+    if not want_transition:
+        return v, h0
+    H, K = v.shape[2], h0.shape[2]
+    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(1, H, K, K)
+    return torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=3), torch.cat([h0, eye], dim=3)
+
+
+def _contribution(call: _Call, x, h0, want_transition: bool):
+    """Forward over one token range of one sequence: (Z [H, K, V], M [H, K, K] or None)."""
+    q, k, v, g, beta = x
+    V = v.shape[3]
+    v2, h2 = _widened(call, v, h0, want_transition)
+    _, ht = call.run(q, k, v2, g, beta, h2)
+    ht = ht[0].to(call.state_dtype)
+    return (ht[..., :V], ht[..., V:]) if want_transition else (ht, None)
+
+
+def _state_gradient(call: _Call, x, do, dht, want_transition: bool):
+    """Backward over one token range of one sequence: (D = d loss / d entering state [H, K, V], M or None), where the
+    loss is <o, do> (+ <final state, dht> when dht is given), by autograd through the public function."""
+    q, k, v, g, beta = (t.detach() for t in x)
+    H, K, V = v.shape[2], q.shape[3], v.shape[3]
+    h0 = v.new_zeros(1, H, K, V, dtype=call.state_dtype)
+    v2, h2 = _widened(call, v, h0, want_transition)
+    h2 = h2.detach().requires_grad_(True)
+    with torch.enable_grad():
+        o, ht = call.run(q, k, v2, g, beta, h2)
+        outs, grads = [o[..., :V]], [do]
+        if dht is not None:
+            outs.append(ht[0, ..., :V])
+            grads.append(dht.to(ht.dtype))
+        (dh0,) = torch.autograd.grad(outs, [h2], grads)
+    D = dh0[0, ..., :V].to(call.state_dtype)
+    return (D, ht[0, ..., V:].detach().to(call.state_dtype)) if want_transition else (D, None)
+
+
+def _gate_windows(g, beta, k, call: _Call, reverse: bool, limit: int):
+    """Per v-head, the fewest tokens (from the range's end, or its start with reverse) whose summed g is
+    <= WARMUP_LOG_DECAY with every factor non-expansive over the ``limit`` tokens considered, else 0."""
+    if limit == 0:
+        return [0] * g.shape[2]
+    gw = g[0, :limit] if reverse else g[0, -limit:].flip(0)            # [w, Hv], nearest the boundary first
+    kw = k[0, :limit] if reverse else k[0, -limit:].flip(0)
+    bw = beta[0, :limit] if reverse else beta[0, -limit:].flip(0)
+    sums = gw.double().cumsum(0)
+    hit = sums <= WARMUP_LOG_DECAY
+    first = torch.where(hit.any(0), hit.int().argmax(0) + 1, torch.zeros_like(hit[0], dtype=torch.long))
+    kk = torch.ones_like(bw, dtype=torch.float32) if call.l2norm else \
+        (kw.float() ** 2).sum(-1).repeat_interleave(call.group_size, dim=1)
+    bkk = bw.float() * kk
+    ok = (bkk.amin(0) >= 0) & (bkk.amax(0) <= 2.0)
+    return torch.where(ok, first, torch.zeros_like(first)).tolist()
+
+
+def _boundary(call: _Call, x, n: int, exact_own: Optional[dict], warmup: int, reverse: bool,
+              extra=None):
+    """The contribution of one boundary (forward: the state leaving the range; reverse: the gradient of the state
+    entering it) as (C [Hv, K, V], M [Hv, K, K] or None).
+
+    x: the rank's (q, k, v, g, beta) sliced to the sequence's range of n tokens on this rank, boundary side last
+    (forward) or first (reverse). exact_own: where the sequence starts (forward) / ends (reverse) on this rank,
+    {"h0": [1, Hv, K, V]} or {"dht": [Hv, K, V]} (the range alone is then exact); None: the range is a whole shard
+    inside one sequence, and exactness needs the transition M. extra: reverse only, (do sliced to the range, dht row
+    of the range's far end or None)."""
+    q, k, v, g, beta = x
+    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+    dev = v.device
+    window = min(n, warmup)
+
+    def span(lo, hi):
+        return tuple(t[:, lo:hi] for t in x)
+
+    def head_span(idx, lo, hi):
+        return _heads(call, idx, *span(lo, hi))
+
+    def forward_part(idx, lo, hi, own, transition):
+        xs = head_span(idx, lo, hi)
+        H = xs[2].shape[2]
+        if own and exact_own is not None:
+            h0 = exact_own["h0"] if idx is None else exact_own["h0"].index_select(1, idx)
+        else:
+            h0 = v.new_zeros(1, H, K, V, dtype=call.state_dtype)
+        return _contribution(call, xs, h0, transition)
+
+    def reverse_part(idx, lo, hi, own, transition):
+        xs = head_span(idx, lo, hi)
+        do = extra[0][:, lo:hi]
+        do = do if idx is None else do.index_select(2, idx)
+        dht = None
+        if own and exact_own is not None:
+            dht = exact_own["dht"] if idx is None else exact_own["dht"].index_select(0, idx)
+        return _state_gradient(call, xs, do, dht, transition)
+
+    part = reverse_part if reverse else forward_part
+
+    def rng(w):  # the w tokens nearest the boundary
+        return (0, w) if reverse else (n - w, n)
+
+    C = torch.zeros(Hv, K, V, dtype=call.state_dtype, device=dev)
+    M = None
+    if window == n and exact_own is not None:          # the range is short: run it exactly, no transition
+        C, _ = part(None, 0, n, True, False)
+        return C, None
+    gate = _gate_windows(g, beta, k, call, reverse, window)
+    gated = [h for h in range(Hv) if gate[h] > 0]
+    rest = [h for h in range(Hv) if gate[h] == 0]
+    if gated:
+        w = max(gate[h] for h in gated)
+        # heads that need the probe window anyway run it below, so gated heads alone use their (short) window
+        idx = None if not rest else torch.tensor(gated, device=dev)
+        c, _ = part(idx, *rng(w), False, False)
+        C[gated] = c
+    if not rest:
+        return C, None
+    exact = rest
+    if window > 0:
+        idx = None if not gated else torch.tensor(rest, device=dev)
+        c, m = part(idx, *rng(window), window == n, True)
+        if window == n:                                  # the probe covered the whole shard: exact with M
+            C[rest] = c if extra is None or extra[1] is None else c + m.transpose(-1, -2) @ extra[1][rest].to(c)
+            M = torch.zeros(Hv, K, K, dtype=call.state_dtype, device=dev)
+            M[rest] = m
+            return C, M
+        norms = torch.linalg.matrix_norm(m.double()).tolist()
+        ok = [i for i, s in enumerate(norms) if s <= TRANSITION_NORM_BOUND]
+        if ok:
+            C[[rest[i] for i in ok]] = c[ok]
+        exact = [rest[i] for i in range(len(rest)) if norms[i] > TRANSITION_NORM_BOUND]
+    if not exact:
+        return C, None
+    idx = None if len(exact) == Hv else torch.tensor(exact, device=dev)
+    if exact_own is not None:                            # the sequence starts / ends here: own range is exact
+        c, _ = part(idx, 0, n, True, False)
+        C[exact] = c
+        return C, None
+    c, m = part(idx, 0, n, False, True)                  # a shard inside one sequence: Z (or D) and M
+    if reverse and extra[1] is not None:                 # the user's gradient of the boundary state at the far end
+        dht = extra[1] if idx is None else extra[1].index_select(0, idx)
+        c = c + m.transpose(-1, -2) @ dht.to(c)
+    C[exact] = c
+    M = torch.zeros(Hv, K, K, dtype=call.state_dtype, device=dev)
+    M[exact] = m
+    return C, M
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exchange
+
+def _all_gather(ctx: CPContext, C: torch.Tensor, M: Optional[torch.Tensor]):
+    """All ranks' (C, M): one all-gather; M travels only where some rank of the group is a transit rank."""
+    carry_m = any(ctx.transit(r) for r in range(ctx.world_size))
+    Hv, K, V = C.shape
+    if carry_m:
+        M = M if M is not None else C.new_zeros(Hv, K, K)
+        payload = torch.cat([C.reshape(-1), M.reshape(-1)])
+    else:
+        payload = C.reshape(-1).contiguous()
+    bufs = [torch.empty_like(payload) for _ in range(ctx.world_size)]
+    dist.all_gather(bufs, payload, group=ctx.group)
+    Cs = [b[:Hv * K * V].view(Hv, K, V) for b in bufs]
+    Ms = [b[Hv * K * V:].view(Hv, K, K) for b in bufs] if carry_m else None
+    return Cs, Ms
+
+
+def _entering_state(ctx: CPContext, Cs, Ms) -> torch.Tensor:
+    """The state entering this rank's local sequence 0 from the chain of earlier ranks."""
+    j = ctx.rank - ctx.pre_num_ranks
+    h = Cs[j]
+    for s in range(j + 1, ctx.rank):
+        h = Cs[s] + Ms[s] @ h
+    return h
+
+
+def _leaving_gradient(ctx: CPContext, Cs, Ms) -> torch.Tensor:
+    """The gradient of the state leaving this rank's last local sequence, from the chain of later ranks."""
+    j = ctx.rank + ctx.post_num_ranks
+    d = Cs[j]
+    for s in range(j - 1, ctx.rank, -1):
+        d = Cs[s] + Ms[s].transpose(-1, -2) @ d
+    return d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autograd: the reverse exchange runs before the local backward
+
+class _Spec:
+    def __init__(self, ctx: CPContext, call: _Call):
+        self.ctx, self.call = ctx, call
+
+
+class _ReverseExchange(torch.autograd.Function):
+    """Identity on (o, final state) in the forward; in the backward it computes this rank's reverse boundary
+    contribution, exchanges, and adds the gradient arriving from later ranks to the last sequence's final-state
+    gradient, so the local backward (autograd through the public function) sees the whole dht."""
+
+    @staticmethod
+    def forward(fctx, o, ht, q, k, v, g, beta, spec):
+        fctx.spec = spec
+        fctx.save_for_backward(q, k, v, g, beta)
+        return o.view_as(o), ht.view_as(ht)
+
+    @staticmethod
+    def backward(fctx, do, dht):
+        spec = fctx.spec
+        ctx, call = spec.ctx, spec.call
+        x = fctx.saved_tensors
+        v = x[2]
+        Hv, K, V = v.shape[2], x[0].shape[3], v.shape[3]
+        if do is None:
+            do = torch.zeros_like(v)
+        if dht is None:
+            dht = torch.zeros(ctx.num_seqs, Hv, K, V, dtype=call.state_dtype, device=v.device)
+        C = torch.zeros(Hv, K, V, dtype=call.state_dtype, device=v.device)
+        M = None
+        if ctx.pre_num_ranks > 0:                          # this rank's first sequence is continued: reverse part
+            n = int(ctx.cu_seqlens_cpu[1])
+            ends_here = ctx.num_seqs > 1 or ctx.post_num_ranks == 0
+            xs = tuple(t.detach()[:, :n] for t in x)
+            own = {"dht": dht[0]} if ends_here else None
+            far = None if ends_here else dht[0]
+            C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=True, extra=(do[:, :n], far))
+        Cs, Ms = _all_gather(ctx, C, M)
+        if ctx.post_num_ranks > 0:
+            dht = dht.clone()
+            dht[-1] = dht[-1] + _leaving_gradient(ctx, Cs, Ms).to(dht.dtype)
+        return do, dht, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public entry point
+
+def _check_context(ctx, q, v, initial_state) -> None:
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"cp_context must be a flash_qla CPContext (flash_qla.distributed.build_cp_context), got "
+                        f"{type(ctx).__name__}")
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"context parallelism takes packed inputs with B == 1, got q shape {tuple(q.shape)}")
+    if q.shape[1] != ctx.part_len:
+        raise ValueError(f"q holds {q.shape[1]} tokens but this rank's shard has {ctx.part_len} "
+                         f"(T / world_size of the cu_seqlens_global given to build_cp_context)")
+    if ctx.world_size > 1 and ctx.has_links:
+        backend = dist.get_backend(ctx.group)
+        if backend == "nccl" and q.device.type != "cuda":
+            raise ValueError("the process group uses NCCL but the inputs are on the CPU: use a gloo group for CPU "
+                             "tensors")
+        if backend == "gloo" and q.device.type != "cpu":
+            raise ValueError(f"the process group uses gloo but the inputs are on {q.device}: use an NCCL group for "
+                             f"CUDA tensors")
+
+
+def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, scale: Optional[float] = None,
+                              initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                              use_qk_l2norm_in_kernel: bool = False, cp_context: Optional[CPContext] = None,
+                              backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated DeltaNet chunked prefill on this rank's shard of a context-parallel batch (see the module docstring).
+
+    q, k [1, P, Hq, K]; v [1, P, Hv, V]; g, beta [1, P, Hv] (P = ctx.part_len); initial_state [N_local, Hv, K, V]
+    or None. Returns (o [1, P, Hv, V], final_state [N_local, Hv, K, V] float32 or None), differentiable in every
+    input; every rank of the context's group must make the call (and its backward) together."""
+    from .validation import validate_inputs
+    ctx = cp_context
+    _check_context(ctx, q, v, initial_state)
+    problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, Hv // problem.num_qk_heads, state_dtype)
+    linked = ctx.world_size > 1 and ctx.has_links
+    if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+        raise ValueError(f"initial_state row 0 belongs to global sequence {ctx.seq_ids[0]}, continued from rank "
+                         f"{ctx.rank - 1}: its entering state comes from there, so the row must be zero")
+
+    if not linked:
+        return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
+
+    with torch.no_grad():
+        C = torch.zeros(Hv, K, V, dtype=state_dtype, device=q.device)
+        M = None
+        if ctx.post_num_ranks > 0:                              # this rank's last sequence goes on: forward part
+            a = int(ctx.cu_seqlens_cpu[-2])
+            n = ctx.part_len - a
+            starts_here = ctx.num_seqs > 1 or ctx.pre_num_ranks == 0
+            xs = tuple(t.detach()[:, a:] for t in (q, k, v, g, beta))
+            own = None
+            if starts_here:
+                h0 = initial_state[-1:].detach() if initial_state is not None else \
+                    q.new_zeros(1, Hv, K, V, dtype=state_dtype)
+                own = {"h0": h0.to(state_dtype)}
+            C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=False)
+        Cs, Ms = _all_gather(ctx, C, M)
+        h_in = _entering_state(ctx, Cs, Ms) if ctx.pre_num_ranks > 0 else None
+
+    if h_in is not None:
+        rows = [h_in[None].to(initial_state.dtype if initial_state is not None else state_dtype)]
+        if ctx.num_seqs > 1:
+            rest = initial_state[1:] if initial_state is not None else \
+                rows[0].new_zeros(ctx.num_seqs - 1, Hv, K, V)
+            rows.append(rest)
+        h_init = torch.cat(rows)
+    else:
+        h_init = initial_state
+    o, ht = _run_local(call, ctx, q, k, v, g, beta, h_init, True)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, o, ht)):
+        o, ht = _ReverseExchange.apply(o, ht, q, k, v, g, beta, _Spec(ctx, call))
+    return o, (ht if output_final_state else None)
+
+
+def _run_local(call: _Call, ctx: CPContext, q, k, v, g, beta, h0, final):
+    from .api import chunk_gated_delta_rule
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=call.scale, initial_state=h0, output_final_state=final,
+                                  cu_seqlens=ctx.cu_seqlens, use_qk_l2norm_in_kernel=call.l2norm,
+                                  backend=call.backend)

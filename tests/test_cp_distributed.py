@@ -1,0 +1,156 @@
+"""Context parallelism across ranks on CPU tensors over gloo: every rank's o, final states and every local gradient
+against the fp64 token loop run over the whole batch (sequences crossing rank boundaries, strong decay, g = 0
+heads, GVA, initial states, the warm-up shortcuts and the exact transitions)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_qla import reference
+from flash_qla.distributed import CPContext, build_cp_context, chunk_gated_delta_rule_cp
+
+
+def make_inputs(T, hq, hv, K, V, n_seqs, seed, decay):
+    """fp64 inputs; per v-head decay strengths from ``decay`` (0: a g = 0 head), beta in (0, 1), unit keys."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, hq, K, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, T, hq, K, generator=gen, dtype=torch.float64)
+    k = k / k.norm(dim=-1, keepdim=True)
+    v = torch.randn(1, T, hv, V, generator=gen, dtype=torch.float64)
+    a = torch.nn.functional.softplus(0.5 * torch.randn(1, T, hv, generator=gen, dtype=torch.float64) + 1)
+    g = -torch.tensor(decay, dtype=torch.float64) * a
+    beta = torch.rand(1, T, hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(n_seqs, hv, K, V, generator=gen, dtype=torch.float64)
+    do = torch.randn(1, T, hv, V, generator=gen, dtype=torch.float64)
+    return dict(q=q, k=k, v=v, g=g, beta=beta), h0, do
+
+
+def reference_pieces(x, h0, cu, part, scale, l2norm):
+    """The fp64 token loop over each sequence, cut at the rank boundaries with the state carried across, so the
+    state at every boundary is an output too. Returns (o [1, T, Hv, V], {(rank, local index): state})."""
+    o_parts, states = [], {}
+    for s in range(len(cu) - 1):
+        S = h0[s][None]
+        lo = cu[s]
+        while lo < cu[s + 1]:
+            r = lo // part
+            hi = min(cu[s + 1], (r + 1) * part)
+            piece = {name: t[:, lo:hi] for name, t in x.items()}
+            o, S = reference.recurrent_gated_delta_rule(**piece, scale=scale, initial_state=S,
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+            o_parts.append(o)
+            local = sum(1 for t in range(s) if cu[t + 1] > r * part) if s > 0 else 0
+            states[(r, local)] = S[0]
+            lo = hi
+    return torch.cat(o_parts, dim=1), states
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+CASES = [
+    # (name, world, part, cu_seqlens, hq, hv, K, V, decay strengths per v-head, warmup_tokens, l2norm, tol)
+    ("crossing_default", 2, 160, [0, 50, 230, 320], 2, 4, 16, 8, [0.0, 4.0, 0.08, 16.0], 8192, False, 2e-4),
+    ("crossing_exact", 2, 160, [0, 50, 230, 320], 2, 4, 16, 8, [0.0, 4.0, 0.08, 16.0], 0, False, 1e-9),
+    ("spanning_four_default", 4, 96, [0, 40, 300, 384], 1, 3, 8, 16, [0.0, 0.5, 16.0], 8192, True, 2e-4),
+    ("spanning_four_exact", 4, 96, [0, 40, 300, 384], 1, 3, 8, 16, [0.0, 0.5, 16.0], 0, True, 1e-9),
+    # a 120-token window: the 0.3-decay head's gate reaches -10 after ~25 tokens; the g = 0 and 0.02-decay heads'
+    # transitions over 120 unit keys in K = 4 are measured, most below the bound (the measured shortcut), some not
+    ("one_sequence_probe", 4, 128, [0, 512], 2, 4, 4, 8, [0.0, 0.3, 0.02, 8.0], 120, False, 2e-4),
+    ("boundaries_between_sequences", 4, 64, [0, 64, 128, 200, 256], 2, 2, 8, 8, [0.0, 2.0], 8192, False, 1e-9),
+]
+
+
+def _check_case(rank, world, case):
+    name, _, part, cu, hq, hv, K, V, decay, warmup, l2norm, tol = case
+    T = part * world
+    x, h0_global, do_global = make_inputs(T, hq, hv, K, V, len(cu) - 1, seed=len(name), decay=decay)
+    scale = K ** -0.5
+    ctx = build_cp_context(torch.tensor(cu, dtype=torch.int32), warmup_tokens=warmup)
+    assert isinstance(ctx, CPContext) and ctx.world_size == world and ctx.rank == rank
+    lo, hi = rank * part, (rank + 1) * part
+    gen = torch.Generator().manual_seed(99)
+    dht_global = {key: torch.randn(hv, K, V, generator=gen, dtype=torch.float64)
+                  for key in [(r, i) for r in range(world) for i in range(8)]}
+
+    # this rank's call
+    leaves = {n: t[:, lo:hi].clone().requires_grad_(True) for n, t in x.items()}
+    h0_local = h0_global[list(ctx.seq_ids)].clone()
+    if ctx.pre_num_ranks > 0:
+        h0_local[0] = 0
+    h0_local.requires_grad_(True)
+    o, ht = chunk_gated_delta_rule_cp(**leaves, scale=scale, initial_state=h0_local, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2norm, cp_context=ctx)
+    dht_local = torch.stack([dht_global[(rank, i)] for i in range(ctx.num_seqs)])
+    ((o * do_global[:, lo:hi]).sum() + (ht * dht_local).sum()).backward()
+
+    # the fp64 loop over the whole batch, every rank's loss summed
+    ref_leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    h0_ref = h0_global.clone().requires_grad_(True)
+    o_ref, states = reference_pieces(ref_leaves, h0_ref, cu, part, scale, l2norm)
+    loss = (o_ref * do_global).sum() + sum((S * dht_global[key]).sum() for key, S in states.items())
+    loss.backward()
+
+    assert rel(o.detach(), o_ref.detach()[:, lo:hi]) < tol, (name, rank, "o")
+    for i in range(ctx.num_seqs):
+        assert rel(ht.detach()[i], states[(rank, i)].detach()) < tol, (name, rank, "final state", i)
+    for n in x:
+        assert rel(leaves[n].grad, ref_leaves[n].grad[:, lo:hi]) < tol, (name, rank, "d" + n)
+    for i, s in enumerate(ctx.seq_ids):
+        if i == 0 and ctx.pre_num_ranks > 0:
+            # not read: no gradient (None where no row of this rank is read) or a zero one
+            assert h0_local.grad is None or h0_local.grad[0].abs().max().item() == 0.0, (name, rank, "dh0 row 0")
+        else:
+            assert rel(h0_local.grad[i], h0_ref.grad[s]) < tol, (name, rank, "dh0", i)
+
+
+def _worker(rank, world, init_file, names):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for case in CASES:
+            if case[0] in names:
+                _check_case(rank, world, case)
+        _check_errors(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_errors(rank, world):
+    cu = torch.tensor([0, 6, 4 * world], dtype=torch.int32)
+    ctx = build_cp_context(cu)
+    x, _, _ = make_inputs(4 * world, 1, 1, 4, 4, 2, seed=1, decay=[1.0])
+    local = {n: t[:, :4] for n, t in x.items()}
+    with pytest.raises(ValueError, match="shard has 4"):
+        chunk_gated_delta_rule_cp(**{n: t[:, :3] for n, t in x.items()}, cp_context=ctx)
+    with pytest.raises(TypeError, match="CPContext"):
+        chunk_gated_delta_rule_cp(**local, cp_context=object())
+    with pytest.raises(ValueError, match="divisible"):
+        build_cp_context(torch.tensor([0, 4 * world + 1]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        build_cp_context(torch.tensor([0, 0, 4 * world]))
+    if rank == 1:  # rank 1's row 0 continues sequence 0 (tokens 0-5): a non-zero row there is refused
+        bad = torch.ones(ctx.num_seqs, 1, 4, 4, dtype=torch.float64)
+        with pytest.raises(ValueError, match="must be zero"):
+            chunk_gated_delta_rule_cp(**{n: t[:, 4:8] for n, t in x.items()}, initial_state=bad, cp_context=ctx)
+
+
+def _spawn(world, names, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), names), nprocs=world, join=True)
+
+
+def test_context_metadata_without_a_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        build_cp_context(torch.tensor([0, 8]))
+
+
+def test_two_ranks_against_fp64_loop(tmp_path):
+    _spawn(2, {"crossing_default", "crossing_exact"}, tmp_path)
+
+
+def test_four_ranks_against_fp64_loop(tmp_path):
+    _spawn(4, {"spanning_four_default", "spanning_four_exact", "one_sequence_probe",
+               "boundaries_between_sequences"}, tmp_path)
