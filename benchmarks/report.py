@@ -35,6 +35,11 @@ def _x(x: Optional[float]) -> str:
     return DASH if x is None else f"{x:.2f}"
 
 
+def _cell(value) -> str:
+    """A table cell from a data value: a '|' (row keys hold them) would end the cell."""
+    return str(value).replace("|", "\\|")
+
+
 def _md_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -129,17 +134,29 @@ def failed_rows(comparisons: Sequence[RowComparison]) -> List[str]:
 
 
 def host_cost_section(card: Card) -> List[str]:
-    """The host cost file's numbers as a table (flat keys; nested objects are shown by their dotted path)."""
+    """The host cost file as tables: its scalar fields (nested objects by dotted path), then each list of
+    records (e.g. ``rows``: one per shape) with one column per field."""
     def flat(prefix: str, value) -> List[tuple]:
         if isinstance(value, dict):
             return [item for k, v in value.items() for item in flat(f"{prefix}.{k}" if prefix else k, v)]
         return [(prefix, value)] if isinstance(value, (int, float, str, bool)) else []
-    items = flat("", card.host_cost)
-    if not items:
+    data = card.host_cost if isinstance(card.host_cost, dict) else {}
+    lines: List[str] = []
+    scalars = flat("", {k: v for k, v in data.items() if not isinstance(v, list)})
+    if scalars:
+        lines += ["", _md_row(["measure", "value"]), _md_row(["---", "---:"])]
+        lines += [_md_row([f"`{k}`", _cell(v)]) for k, v in scalars]
+    for name, records in data.items():
+        if not (isinstance(records, list) and records and all(isinstance(r, dict) for r in records)):
+            continue
+        columns = list(dict.fromkeys(k for r in records for k, _ in flat("", r)))
+        lines += ["", f"`{name}`:", "", _md_row(columns), _md_row(["---"] * len(columns))]
+        for r in records:
+            values = dict(flat("", r))
+            lines.append(_md_row([DASH if values.get(c) is None else _cell(values[c]) for c in columns]))
+    if not lines:
         return []
-    return (["", "### Host cost", "", f"From `{card.path.name}/host_overhead.json`.", "",
-             _md_row(["measure", "value"]), _md_row(["---", "---:"])]
-            + [_md_row([f"`{k}`", str(v)]) for k, v in items])
+    return ["", "### Host cost", "", f"From `{card.path.name}/host_overhead.json`."] + lines
 
 
 def logs_section(card: Card) -> List[str]:

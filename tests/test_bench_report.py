@@ -40,7 +40,10 @@ def make_card(folder: Path, device="NVIDIA H200", backend="kernels", peers=("qla
             out.write(json.dumps(mine) + "\n")
     for lib in peers:
         (folder / f"{lib}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["lib"] == lib))
-    (folder / "host_overhead.json").write_text(json.dumps({"api_call_us": 105.4, "launch": {"raw_us": 5.2}}))
+    (folder / "host_overhead.json").write_text(json.dumps({
+        "device": device, "launch": {"raw_us": 5.2},
+        "rows": [{"shape": "TP8|1x2048", "fwd_host_us": 31.5, "fwd_bwd_host_us": 120.25},
+                 {"shape": "TP8|1x64", "fwd_host_us": 29.0}]}))
     if logs:
         (folder / "gpu_tests.log").write_text("....\n293 passed in 27.53s\n")
         (folder / "memcheck.log").write_text("sanitize case ok\n========= ERROR SUMMARY: 0 errors\n")
@@ -98,7 +101,9 @@ def test_every_matrix_row_with_its_ratios(generated):
 def test_summary_host_cost_and_logs(generated):
     text = generated["text"]
     assert "- graph: x best peer geomean 1.25x" in text and "x qla geomean 1.25x" in text
-    assert "| `api_call_us` | 105.4 |" in text and "| `launch.raw_us` | 5.2 |" in text
+    assert "| `device` | NVIDIA H200 |" in text and "| `launch.raw_us` | 5.2 |" in text
+    assert "| shape | fwd_host_us | fwd_bwd_host_us |" in text
+    assert "| TP8\\|1x2048 | 31.5 | 120.25 |" in text and "| TP8\\|1x64 | 29.0 | – |" in text
     assert "`h200/gpu_tests.log`: `293 passed in 27.53s`" in text
     assert "`h200/memcheck.log`: `========= ERROR SUMMARY: 0 errors`" in text
     assert "warning" not in text
