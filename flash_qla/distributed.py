@@ -190,10 +190,26 @@ def _widened(call: _Call, v, h0, want_transition: bool):
     return torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=3), torch.cat([h0, eye], dim=3)
 
 
+def _can_widen(call: _Call, v, K: int) -> bool:
+    """The kernels are built for V in {64, 128, 256}; the reference takes any width."""
+    return call.backend == "reference" or v.device.type != "cuda" or v.shape[3] + K in (64, 128, 256)
+
+
+def _transition(call: _Call, x):
+    """The exact transition M [H, K, K] of a token range: its final state for v = 0 from the identity."""
+    q, k, v, g, beta = x
+    K = q.shape[3]
+    h0 = torch.eye(K, dtype=call.state_dtype, device=v.device).expand(1, v.shape[2], K, K).contiguous()
+    _, ht = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, h0)
+    return ht[0].to(call.state_dtype)
+
+
 def _contribution(call: _Call, x, h0, want_transition: bool):
     """Forward over one token range of one sequence: (Z [H, K, V], M [H, K, K] or None)."""
     q, k, v, g, beta = x
     V = v.shape[3]
+    if want_transition and not _can_widen(call, v, q.shape[3]):
+        return _contribution(call, x, h0, False)[0], _transition(call, x)
     v2, h2 = _widened(call, v, h0, want_transition)
     _, ht = call.run(q, k, v2, g, beta, h2)
     ht = ht[0].to(call.state_dtype)
@@ -205,6 +221,10 @@ def _state_gradient(call: _Call, x, do, dht, want_transition: bool):
     loss is <o, do> (+ <final state, dht> when dht is given), by autograd through the public function."""
     q, k, v, g, beta = (t.detach() for t in x)
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
+    if want_transition and not _can_widen(call, v, K):
+        with torch.no_grad():
+            M = _transition(call, (q, k, v, g, beta))
+        return _state_gradient(call, (q, k, v, g, beta), do, dht, False)[0], M
     h0 = v.new_zeros(1, H, K, V, dtype=call.state_dtype)
     v2, h2 = _widened(call, v, h0, want_transition)
     h2 = h2.detach().requires_grad_(True)
