@@ -116,6 +116,14 @@ path-exclude /usr/share/man/*
 path-exclude /usr/share/info/*
 EOF
 rm -f "$ROOTFS"/usr/lib/python3*/EXTERNALLY-MANAGED
+# This host's own CAs (e.g. of an HTTPS proxy between it and PyPI): the build's pip must trust what it trusts.
+# They are part of this local base only; the official python:*-slim base has Debian's CAs alone.
+host_cas=(/usr/local/share/ca-certificates/*.crt)
+if [ -e "${host_cas[0]}" ]; then
+  cp "${host_cas[@]}" "$ROOTFS/usr/local/share/ca-certificates/"
+  chroot "$ROOTFS" update-ca-certificates > /dev/null
+  note "base trusts this host's ${#host_cas[@]} local CA(s) from /usr/local/share/ca-certificates"
+fi
 find "$ROOTFS/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
 rm -rf "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* "$ROOTFS"/var/lib/apt/lists/* \
        "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/log/*.log \
