@@ -47,7 +47,7 @@ def _grads(fn, x, h0, do, dht_fn):
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
     h = h0.detach().clone().requires_grad_(True)
     o, ht = fn(leaves, h)
-    torch.autograd.backward([o, ht], [do, dht_fn(ht)])
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht_fn(ht).to(ht.dtype)])
     grads = {"d" + n: t.grad for n, t in leaves.items()}
     grads["dh0"] = h.grad if h.grad is not None else torch.zeros_like(h)
     return o.detach(), ht.detach(), grads
