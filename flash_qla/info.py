@@ -85,11 +85,24 @@ def _gpu() -> Dict[str, Any]:
     return out
 
 
+def _identity() -> Dict[str, Any]:
+    """Which distribution provides ``import flash_qla`` (flash_qla/identity.py): FlashQLA's flash-qla uses the same
+    import name."""
+    try:
+        from .identity import package_identity
+        return package_identity()
+    except Exception as e:  # noqa: BLE001 - metadata trouble is reported, never fatal to info
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def collect(device: Optional[int] = None, load: bool = True, kernel_dir: Any = None) -> Dict[str, Any]:
     """Everything ``info`` reports, as a JSON-able dict (``ok`` False means a broken installation)."""
     from .loader import KernelLibrary, library
 
     report: Dict[str, Any] = {"versions": _versions(), "ok": True}
+    report["identity"] = _identity()
+    if report["identity"].get("ok") is False:
+        report["ok"] = False  # FlashQLA's flash-qla shares the package folder: the kernel path cannot load
     lib = KernelLibrary(kernel_dir) if kernel_dir is not None else library()
     manifest_ok = False
     try:
@@ -135,6 +148,12 @@ def render(r: Dict[str, Any]) -> str:
     lines = [f"flash_qla {v.get('flash_qla')}   python {v.get('python')}   torch {v.get('torch')}"
              + (f" (CUDA {v['torch_cuda']})" if v.get("torch_cuda") else ""),
              f"launcher   {v.get('launcher')}"]
+    ident = r.get("identity") or {}
+    if "error" in ident:
+        lines.append(f"package    could not read the installed distributions: {ident['error']}")
+    elif ident:
+        from .identity import describe
+        lines += describe(ident)
     m = r.get("manifest", {})
     if "error" in m:
         lines.append(f"kernels    {'none installed' if m.get('missing') else 'BROKEN'}: {m['error']}")
@@ -169,6 +188,7 @@ def render(r: Dict[str, Any]) -> str:
     jit = r.get("jit_modules_imported") or []
     lines.append("JIT        " + ("none reachable (no compiler modules imported)" if not jit
                                   else f"WARNING: imported {', '.join(jit)}"))
+
     if not r["ok"]:
         lines.append("STATUS     broken installation (see above)")
     return "\n".join(lines)
