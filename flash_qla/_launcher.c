@@ -19,6 +19,8 @@
  *   tensormap_cache_info() -> (hits, misses, entries)
  *   clear_tensormap_cache() -> None
  *   libcuda_path() -> str | None                 the library that was loaded (None before first use)
+ *   program_new(ops, nslots, nstreams) -> program  a plan's launch sequence with its per-call values left open
+ *   program_run(program, streams, pointers) -> None  issue it: one crossing from Python per call
  *
  * launch() signature: one char per kernel parameter: 'p' pointer/uint64 (int or None), 'i' int32, 'l' int64,
  * 'f' float32, 'm' CUtensorMap given as the tuple
@@ -54,6 +56,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 typedef uint64_t cuuint64_t;
 typedef uint32_t cuuint32_t;
 typedef struct { _Alignas(64) uint64_t opaque[16]; } CUtensorMap; /* 128 bytes, 64-byte aligned */
@@ -89,6 +92,10 @@ typedef CUresult (*PFN_cuTensorMapEncodeTiled)(CUtensorMap *, int, cuuint32_t, v
                                                int, int, int);
 typedef CUresult (*PFN_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                        unsigned, CUstream, void **, void **);
+typedef CUresult (*PFN_cuEventCreate)(CUevent *, unsigned int);
+typedef CUresult (*PFN_cuEventDestroy)(CUevent);
+typedef CUresult (*PFN_cuEventRecord)(CUevent, CUstream);
+typedef CUresult (*PFN_cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
 typedef CUresult (*PFN_cuGetErrorString)(CUresult, const char **);
 typedef CUresult (*PFN_cuGetErrorName)(CUresult, const char **);
 
@@ -108,6 +115,10 @@ static struct {
     PFN_cuFuncSetAttribute FuncSetAttribute;
     PFN_cuTensorMapEncodeTiled TensorMapEncodeTiled;
     PFN_cuLaunchKernel LaunchKernel;
+    PFN_cuEventCreate EventCreate;
+    PFN_cuEventDestroy EventDestroy;
+    PFN_cuEventRecord EventRecord;
+    PFN_cuStreamWaitEvent StreamWaitEvent;
     PFN_cuGetErrorString GetErrorString;
     PFN_cuGetErrorName GetErrorName;
 } cu;
@@ -217,6 +228,10 @@ static int load_driver_locked(void) {
         {"cuFuncSetAttribute", (void **)&cu.FuncSetAttribute},
         {"cuTensorMapEncodeTiled", (void **)&cu.TensorMapEncodeTiled},
         {"cuLaunchKernel", (void **)&cu.LaunchKernel},
+        {"cuEventCreate", (void **)&cu.EventCreate},
+        {"cuEventDestroy", (void **)&cu.EventDestroy},
+        {"cuEventRecord", (void **)&cu.EventRecord},
+        {"cuStreamWaitEvent", (void **)&cu.StreamWaitEvent},
         {"cuGetErrorString", (void **)&cu.GetErrorString},
         {"cuGetErrorName", (void **)&cu.GetErrorName},
     };
@@ -593,39 +608,44 @@ static int get_int_item(PyObject *tup, Py_ssize_t i, int32_t *out, const char *w
     return 0;
 }
 
-/* Parse the tensormap tuple of argument `idx` and return a pointer to an encoded map (cache-owned). */
-static const CUtensorMap *tensormap_for(PyObject *t, Py_ssize_t idx, CUfunction fn) {
+/* Parse the tensormap tuple of argument `idx` into `key`; the address item is read only when `addr_out` is NULL
+   (a program's template gives (slot, offset) there instead: see program_new). 0 on success. */
+static int parse_tensormap(PyObject *t, Py_ssize_t idx, TMKey *key, PyObject **addr_out) {
     if (!PyTuple_Check(t) || PyTuple_Size(t) != 11) {
         PyErr_Format(PyExc_TypeError,
                      "launch: argument %zd ('m') must be an 11-tuple (dtype, rank, address, dims, strides, box, "
                      "element_strides, interleave, swizzle, l2_promotion, oob_fill)", idx);
-        return NULL;
+        return -1;
     }
-    TMKey key;
-    memset(&key, 0, sizeof key);
+    memset(key, 0, sizeof *key);
     uint64_t tmp[5];
-    if (get_int_item(t, 0, &key.dtype, "dtype") < 0 || get_int_item(t, 1, &key.rank, "rank") < 0) return NULL;
-    if (key.rank < 1 || key.rank > 5) {
-        PyErr_Format(PyExc_ValueError, "launch: argument %zd: tensormap rank must be 1..5, got %d", idx, key.rank);
-        return NULL;
+    if (get_int_item(t, 0, &key->dtype, "dtype") < 0 || get_int_item(t, 1, &key->rank, "rank") < 0) return -1;
+    if (key->rank < 1 || key->rank > 5) {
+        PyErr_Format(PyExc_ValueError, "launch: argument %zd: tensormap rank must be 1..5, got %d", idx, key->rank);
+        return -1;
     }
     PyObject *addr = PyTuple_GetItem(t, 2);
-    if (addr == Py_None) {
-        key.addr = 0;
-    } else {
-        key.addr = PyLong_AsUnsignedLongLong(addr);
-        if (key.addr == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (addr_out != NULL) {
+        *addr_out = addr;
+    } else if (addr != Py_None) {
+        key->addr = PyLong_AsUnsignedLongLong(addr);
+        if (key->addr == (uint64_t)-1 && PyErr_Occurred()) return -1;
     }
-    if (get_u64_seq(PyTuple_GetItem(t, 3), key.dims, key.rank, "dims") < 0) return NULL;
-    if (get_u64_seq(PyTuple_GetItem(t, 4), key.strides, key.rank - 1, "strides") < 0) return NULL;
-    if (get_u64_seq(PyTuple_GetItem(t, 5), tmp, key.rank, "box") < 0) return NULL;
-    for (int i = 0; i < key.rank; i++) key.box[i] = (uint32_t)tmp[i];
-    if (get_u64_seq(PyTuple_GetItem(t, 6), tmp, key.rank, "element_strides") < 0) return NULL;
-    for (int i = 0; i < key.rank; i++) key.estr[i] = (uint32_t)tmp[i];
-    if (get_int_item(t, 7, &key.interleave, "interleave") < 0 || get_int_item(t, 8, &key.swizzle, "swizzle") < 0 ||
-        get_int_item(t, 9, &key.l2, "l2_promotion") < 0 || get_int_item(t, 10, &key.oob, "oob_fill") < 0)
-        return NULL;
+    if (get_u64_seq(PyTuple_GetItem(t, 3), key->dims, key->rank, "dims") < 0) return -1;
+    if (get_u64_seq(PyTuple_GetItem(t, 4), key->strides, key->rank - 1, "strides") < 0) return -1;
+    if (get_u64_seq(PyTuple_GetItem(t, 5), tmp, key->rank, "box") < 0) return -1;
+    for (int i = 0; i < key->rank; i++) key->box[i] = (uint32_t)tmp[i];
+    if (get_u64_seq(PyTuple_GetItem(t, 6), tmp, key->rank, "element_strides") < 0) return -1;
+    for (int i = 0; i < key->rank; i++) key->estr[i] = (uint32_t)tmp[i];
+    if (get_int_item(t, 7, &key->interleave, "interleave") < 0 || get_int_item(t, 8, &key->swizzle, "swizzle") < 0 ||
+        get_int_item(t, 9, &key->l2, "l2_promotion") < 0 || get_int_item(t, 10, &key->oob, "oob_fill") < 0)
+        return -1;
+    return 0;
+}
 
+/* The encoded map for `key` (cache-owned: copy it before the next encode). */
+static const CUtensorMap *encode_cached(const TMKey *key_in, Py_ssize_t idx, CUfunction fn) {
+    TMKey key = *key_in;
     uint64_t h = tm_hash(&key);
     TMEntry *set = g_tm[h % TM_SETS];
     for (int w = 0; w < TM_WAYS; w++) {
@@ -662,6 +682,12 @@ static const CUtensorMap *tensormap_for(PyObject *t, Py_ssize_t idx, CUfunction 
     e->valid = 1;
     g_tm_misses++;
     return &e->map;
+}
+
+static const CUtensorMap *tensormap_for(PyObject *t, Py_ssize_t idx, CUfunction fn) {
+    TMKey key;
+    if (parse_tensormap(t, idx, &key, NULL) < 0) return NULL;
+    return encode_cached(&key, idx, fn);
 }
 
 static PyObject *py_tensormap_cache_info(PyObject *self, PyObject *noargs) {
@@ -830,6 +856,362 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t nar
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
+/* programs: a plan's whole launch sequence, issued by one call from Python.
+ *
+ * program_new(ops, nslots, nstreams) fixes everything a plan knows ahead of the call (functions, grids, scalar
+ * arguments, tensor-map shapes); program_run(program, streams, pointers) then fills in what changes per call: the
+ * streams and the base addresses of the call's tensors. A pointer argument is (slot, byte offset) into `pointers`
+ * or an absolute int; a tensor map's address likewise. A "join" op makes one stream wait for the work queued so far
+ * on another (an event record + stream wait, which a CUDA graph capture turns into a fork / join). */
+
+enum { OP_LAUNCH = 0, OP_JOIN = 1 };
+#define MAX_SLOTS 64
+#define MAX_STREAMS 8
+
+typedef struct {
+    int kind;
+    CUfunction fn;
+    unsigned grid[3], block[3], smem;
+    int stream;       /* index into program_run's streams */
+    int nparams;
+    char *sig;
+    uint64_t *value;  /* scalar bits ('i', 'l', 'f'); absolute address or offset ('p') */
+    int *slot;        /* 'p': pointer slot, -1 for an absolute address; 'm': index into tm */
+    int ntm;
+    TMKey *tm;        /* addr holds the offset when tm_slot >= 0 */
+    int *tm_slot;
+    int src;          /* OP_JOIN: `stream` waits for `src` */
+    CUevent ev;
+} ProgOp;
+
+typedef struct {
+    int nops, nslots, nstreams;
+    ProgOp *ops;
+} Program;
+
+static void program_free(Program *p) {
+    if (p == NULL) return;
+    for (int i = 0; i < p->nops; i++) {
+        ProgOp *op = &p->ops[i];
+        free(op->sig);
+        free(op->value);
+        free(op->slot);
+        free(op->tm);
+        free(op->tm_slot);
+        if (op->ev != NULL && g_lib != NULL) cu.EventDestroy(op->ev);
+    }
+    free(p->ops);
+    free(p);
+}
+
+static void program_capsule_free(PyObject *capsule) {
+    program_free((Program *)PyCapsule_GetPointer(capsule, "flash_qla.program"));
+}
+
+/* An address template: an int (absolute; None is 0) or a (slot, offset) pair. */
+static int parse_address(PyObject *o, int nslots, int *slot, uint64_t *value, int op_index, Py_ssize_t arg) {
+    if (o == Py_None) {
+        *slot = -1;
+        *value = 0;
+        return 0;
+    }
+    if (PyTuple_Check(o)) {
+        if (PyTuple_Size(o) != 2) {
+            PyErr_Format(PyExc_TypeError, "program op %d argument %zd: an address is an int or (slot, offset)",
+                         op_index, arg);
+            return -1;
+        }
+        long s = PyLong_AsLong(PyTuple_GetItem(o, 0));
+        if (s == -1 && PyErr_Occurred()) return -1;
+        if (s < 0 || s >= nslots) {
+            PyErr_Format(PyExc_ValueError, "program op %d argument %zd: pointer slot %ld outside 0..%d", op_index,
+                         arg, s, nslots - 1);
+            return -1;
+        }
+        unsigned long long off = PyLong_AsUnsignedLongLong(PyTuple_GetItem(o, 1));
+        if (off == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        *slot = (int)s;
+        *value = off;
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *slot = -1;
+    *value = v;
+    return 0;
+}
+
+static int parse_launch_op(PyObject *item, ProgOp *op, int nslots, int nstreams, int index) {
+    /* ("launch", function, grid, block, smem, stream, signature, args) */
+    if (PyTuple_Size(item) != 8) {
+        PyErr_Format(PyExc_TypeError, "program op %d: a launch is (\"launch\", function, grid, block, smem, stream, "
+                     "signature, args)", index);
+        return -1;
+    }
+    op->fn = (CUfunction)PyLong_AsVoidPtr(PyTuple_GetItem(item, 1));
+    if (op->fn == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "program op %d: null function handle", index);
+        return -1;
+    }
+    if (get_dim3(PyTuple_GetItem(item, 2), op->grid, "grid") < 0 ||
+        get_dim3(PyTuple_GetItem(item, 3), op->block, "block") < 0)
+        return -1;
+    long smem = PyLong_AsLong(PyTuple_GetItem(item, 4));
+    if (smem == -1 && PyErr_Occurred()) return -1;
+    if (smem < 0 || smem > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "program op %d: bad smem %ld", index, smem);
+        return -1;
+    }
+    op->smem = (unsigned)smem;
+    long stream = PyLong_AsLong(PyTuple_GetItem(item, 5));
+    if (stream == -1 && PyErr_Occurred()) return -1;
+    if (stream < 0 || stream >= nstreams) {
+        PyErr_Format(PyExc_ValueError, "program op %d: stream index %ld outside 0..%d", index, stream, nstreams - 1);
+        return -1;
+    }
+    op->stream = (int)stream;
+    PyObject *sigobj = PyTuple_GetItem(item, 6);
+    const char *sig;
+    Py_ssize_t nsig;
+    if (PyBytes_Check(sigobj)) {
+        if (PyBytes_AsStringAndSize(sigobj, (char **)&sig, &nsig) < 0) return -1;
+    } else {
+        sig = PyUnicode_AsUTF8AndSize(sigobj, &nsig);
+        if (sig == NULL) return -1;
+    }
+    PyObject *args = PyTuple_GetItem(item, 7);
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != nsig) {
+        PyErr_Format(PyExc_ValueError, "program op %d: args must be a tuple of %zd items (one per signature char)",
+                     index, nsig);
+        return -1;
+    }
+    if (nsig > MAX_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "program op %d: too many parameters (%zd)", index, nsig);
+        return -1;
+    }
+    op->nparams = (int)nsig;
+    op->sig = malloc((size_t)nsig + 1);
+    op->value = calloc((size_t)nsig + 1, sizeof *op->value);
+    op->slot = calloc((size_t)nsig + 1, sizeof *op->slot);
+    op->tm = calloc(MAX_TMAPS, sizeof *op->tm);
+    op->tm_slot = calloc(MAX_TMAPS, sizeof *op->tm_slot);
+    if (!op->sig || !op->value || !op->slot || !op->tm || !op->tm_slot) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(op->sig, sig, (size_t)nsig);
+    for (Py_ssize_t i = 0; i < nsig; i++) {
+        PyObject *a = PyTuple_GetItem(args, i);
+        switch (sig[i]) {
+        case 'p':
+            if (parse_address(a, nslots, &op->slot[i], &op->value[i], index, i) < 0) return -1;
+            break;
+        case 'i': {
+            long long v = PyLong_AsLongLong(a);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            if (v < INT32_MIN || v > INT32_MAX) {
+                PyErr_Format(PyExc_OverflowError, "program op %d argument %zd ('i') = %lld does not fit int32", index,
+                             i, v);
+                return -1;
+            }
+            int32_t x = (int32_t)v;
+            memcpy(&op->value[i], &x, sizeof x);
+            break;
+        }
+        case 'l': {
+            long long v = PyLong_AsLongLong(a);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            memcpy(&op->value[i], &v, sizeof v);
+            break;
+        }
+        case 'f': {
+            double d = PyFloat_AsDouble(a);
+            if (d == -1.0 && PyErr_Occurred()) return -1;
+            float x = (float)d;
+            memcpy(&op->value[i], &x, sizeof x);
+            break;
+        }
+        case 'm': {
+            if (op->ntm == MAX_TMAPS) {
+                PyErr_Format(PyExc_ValueError, "program op %d: too many tensor maps", index);
+                return -1;
+            }
+            PyObject *addr = NULL;
+            TMKey *key = &op->tm[op->ntm];
+            if (parse_tensormap(a, i, key, &addr) < 0) return -1;
+            if (parse_address(addr, nslots, &op->tm_slot[op->ntm], &key->addr, index, i) < 0) return -1;
+            op->slot[i] = op->ntm++;
+            break;
+        }
+        default:
+            PyErr_Format(PyExc_ValueError, "program op %d: bad signature character '%c' at %zd (want p/i/l/f/m)",
+                         index, sig[i], i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_program_new(PyObject *self, PyObject *args) {
+    PyObject *ops;
+    int nslots, nstreams;
+    if (!PyArg_ParseTuple(args, "Oii:program_new", &ops, &nslots, &nstreams)) return NULL;
+    if (!PyList_Check(ops) && !PyTuple_Check(ops)) {
+        PyErr_SetString(PyExc_TypeError, "program_new: ops must be a list or tuple");
+        return NULL;
+    }
+    if (nslots < 0 || nslots > MAX_SLOTS || nstreams < 1 || nstreams > MAX_STREAMS)
+        return PyErr_Format(PyExc_ValueError, "program_new: %d pointer slots (0..%d) and %d streams (1..%d)", nslots,
+                            MAX_SLOTS, nstreams, MAX_STREAMS);
+    if (ensure_init() < 0) return NULL;
+    PyObject *seq = PySequence_Tuple(ops);
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PyTuple_Size(seq);
+    Program *p = calloc(1, sizeof *p);
+    if (p != NULL) p->ops = calloc((size_t)(n > 0 ? n : 1), sizeof *p->ops);
+    if (p == NULL || p->ops == NULL) {
+        free(p);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    p->nslots = nslots;
+    p->nstreams = nstreams;
+    CUfunction first_fn = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GetItem(seq, i);
+        ProgOp *op = &p->ops[i];
+        p->nops = (int)i + 1;
+        const char *kind = NULL;
+        if (PyTuple_Check(item) && PyTuple_Size(item) >= 1 && PyUnicode_Check(PyTuple_GetItem(item, 0)))
+            kind = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(item, 0), NULL);
+        if (kind != NULL && strcmp(kind, "launch") == 0) {
+            op->kind = OP_LAUNCH;
+            if (parse_launch_op(item, op, nslots, nstreams, (int)i) < 0) goto fail;
+            if (first_fn == NULL) first_fn = op->fn;
+        } else if (kind != NULL && strcmp(kind, "join") == 0 && PyTuple_Size(item) == 3) {
+            op->kind = OP_JOIN;
+            long dst = PyLong_AsLong(PyTuple_GetItem(item, 1)), src = PyLong_AsLong(PyTuple_GetItem(item, 2));
+            if (PyErr_Occurred()) goto fail;
+            if (dst < 0 || dst >= nstreams || src < 0 || src >= nstreams || dst == src) {
+                PyErr_Format(PyExc_ValueError, "program op %zd: join streams %ld <- %ld outside 0..%d or equal", i,
+                             dst, src, nstreams - 1);
+                goto fail;
+            }
+            op->stream = (int)dst;
+            op->src = (int)src;
+        } else {
+            PyErr_Format(PyExc_TypeError, "program op %zd: expected (\"launch\", ...) or (\"join\", dst, src)", i);
+            goto fail;
+        }
+    }
+    /* Events belong to a context: the current one, else the one the program's kernels were loaded into. */
+    for (int i = 0; i < p->nops; i++) {
+        ProgOp *op = &p->ops[i];
+        if (op->kind != OP_JOIN) continue;
+        CUresult rc = cu.EventCreate(&op->ev, 2 /* CU_EVENT_DISABLE_TIMING */);
+        if (rc == CUDA_ERROR_INVALID_CONTEXT && first_fn != NULL && bind_function_ctx(first_fn) == 0)
+            rc = cu.EventCreate(&op->ev, 2);
+        if (rc != CUDA_SUCCESS) {
+            op->ev = NULL;
+            raise_cu(rc, "cuEventCreate for program op %d failed", i);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    PyObject *capsule = PyCapsule_New(p, "flash_qla.program", program_capsule_free);
+    if (capsule == NULL) program_free(p);
+    return capsule;
+fail:
+    Py_DECREF(seq);
+    program_free(p);
+    return NULL;
+}
+
+static int get_u64_tuple(PyObject *o, uint64_t *out, int want, const char *what) {
+    if (!PyTuple_Check(o) || PyTuple_Size(o) != want) {
+        PyErr_Format(PyExc_TypeError, "program_run: %s must be a tuple of %d ints", what, want);
+        return -1;
+    }
+    for (int i = 0; i < want; i++) {
+        PyObject *a = PyTuple_GetItem(o, i);
+        if (a == Py_None) {
+            out[i] = 0;
+            continue;
+        }
+        unsigned long long v = PyLong_AsUnsignedLongLong(a);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        out[i] = v;
+    }
+    return 0;
+}
+
+static PyObject *py_program_run(PyObject *self, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "program_run(program, streams, pointers) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Program *p = (Program *)PyCapsule_GetPointer(argv[0], "flash_qla.program");
+    if (p == NULL) return NULL;
+    uint64_t streams[MAX_STREAMS], ptrs[MAX_SLOTS];
+    if (get_u64_tuple(argv[1], streams, p->nstreams, "streams") < 0 ||
+        get_u64_tuple(argv[2], ptrs, p->nslots, "pointers") < 0)
+        return NULL;
+    static _Thread_local int t_ctx_checked = 0;
+    for (int i = 0; i < p->nops; i++) {
+        ProgOp *op = &p->ops[i];
+        CUresult rc;
+        if (op->kind == OP_JOIN) {
+            rc = cu.EventRecord(op->ev, (CUstream)(uintptr_t)streams[op->src]);
+            if (rc == CUDA_SUCCESS) rc = cu.StreamWaitEvent((CUstream)(uintptr_t)streams[op->stream], op->ev, 0);
+            if (rc != CUDA_SUCCESS) return raise_cu(rc, "program op %d: joining stream %d to stream %d failed", i,
+                                                    op->stream, op->src);
+            continue;
+        }
+        uint64_t scalars[MAX_PARAMS];
+        CUtensorMap maps[MAX_TMAPS];
+        void *params[MAX_PARAMS];
+        for (int j = 0; j < op->nparams; j++) {
+            switch (op->sig[j]) {
+            case 'p':
+                scalars[j] = op->slot[j] >= 0 ? ptrs[op->slot[j]] + op->value[j] : op->value[j];
+                params[j] = &scalars[j];
+                break;
+            case 'm': {
+                int t = op->slot[j];
+                TMKey key = op->tm[t];
+                if (op->tm_slot[t] >= 0) key.addr += ptrs[op->tm_slot[t]];
+                const CUtensorMap *m = encode_cached(&key, j, op->fn);
+                if (m == NULL) return NULL;
+                maps[t] = *m;
+                params[j] = &maps[t];
+                break;
+            }
+            default:
+                scalars[j] = op->value[j];
+                params[j] = &scalars[j];
+            }
+        }
+        if ((uint64_t)op->grid[0] * op->grid[1] * op->grid[2] == 0) continue;
+        if (!t_ctx_checked) {
+            CUcontext cur = NULL;
+            if (cu.CtxGetCurrent(&cur) == CUDA_SUCCESS && cur == NULL) bind_function_ctx(op->fn);
+            t_ctx_checked = 1;
+        }
+        CUstream stream = (CUstream)(uintptr_t)streams[op->stream];
+        rc = cu.LaunchKernel(op->fn, op->grid[0], op->grid[1], op->grid[2], op->block[0], op->block[1], op->block[2],
+                             op->smem, stream, params, NULL);
+        if (rc == CUDA_ERROR_INVALID_CONTEXT && bind_function_ctx(op->fn) == 0)
+            rc = cu.LaunchKernel(op->fn, op->grid[0], op->grid[1], op->grid[2], op->block[0], op->block[1],
+                                 op->block[2], op->smem, stream, params, NULL);
+        if (rc != CUDA_SUCCESS)
+            return raise_cu(rc, "program op %d: cuLaunchKernel(grid (%u, %u, %u), block (%u, %u, %u), smem %u) failed",
+                            i, op->grid[0], op->grid[1], op->grid[2], op->block[0], op->block[1], op->block[2],
+                            op->smem);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
     {"driver_version", py_driver_version, METH_NOARGS, "driver_version() -> int: cuDriverGetVersion (e.g. 13000)."},
@@ -848,6 +1230,13 @@ static PyMethodDef methods[] = {
      "launch(function, grid, block, smem, stream, signature, args) -> None: cuLaunchKernel on `stream`. "
      "signature: one char per parameter, p/i/l/f/m; a tensor map is (dtype, rank, address, dims, strides, box, "
      "element_strides, interleave, swizzle, l2_promotion, oob_fill)."},
+    {"program_new", py_program_new, METH_VARARGS,
+     "program_new(ops, nslots, nstreams) -> program: a launch sequence fixed ahead of its calls. ops: "
+     "(\"launch\", function, grid, block, smem, stream_index, signature, args) with each pointer (and tensor-map "
+     "address) an int or (slot, offset), or (\"join\", dst_stream_index, src_stream_index)."},
+    {"program_run", (PyCFunction)(void (*)(void))py_program_run, METH_FASTCALL,
+     "program_run(program, streams, pointers) -> None: issue the program's ops; streams and pointers are tuples of "
+     "nstreams and nslots ints."},
     {"tensormap_cache_info", py_tensormap_cache_info, METH_NOARGS,
      "tensormap_cache_info() -> (hits, misses, entries)"},
     {"clear_tensormap_cache", py_clear_tensormap_cache, METH_NOARGS, "clear_tensormap_cache() -> None"},

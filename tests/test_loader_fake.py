@@ -429,3 +429,52 @@ def test_fake_suite_in_fresh_process():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def _program_ops(k, fn, grid, pointer_template):
+    """kkt_solve's launch as a program op, each pointer (and tensor-map address) replaced by pointer_template(p)."""
+    _, args = k.build_args(SIZES, PTRS)
+    sig = k.signature.decode()
+    templ = tuple(pointer_template(a) if c == "p" else
+                  (a[:2] + (pointer_template(a[2]),) + a[3:] if c == "m" else a) for c, a in zip(sig, args))
+    return ("launch", fn, grid, k.block, k.smem, 0, k.signature, templ)
+
+
+def test_program_fills_pointers_per_call_and_joins_streams(env, fake, lib):
+    """A program fixes a launch ahead of its calls; each run supplies the streams and the slots' base addresses
+    (here inputs at 0x10000 / 0x20000 / 0x30000 become slot 0 + offsets, slot 1, slot 2)."""
+    k = lib.kernel("kkt_solve", dtype="bf16", K=128)
+    fn = k.load(0)
+    slots = {0x10000: (0, 0), 0x20000: (1, 0), 0x30000: (2, 0x40)}
+    launch = _program_ops(k, fn, (3, 4, 1), lambda p: slots[p])
+    prog = _launcher.program_new([("join", 1, 0), launch, ("join", 0, 1)], 3, 2)
+    assert fake.stat("events") == 2
+    _launcher.program_run(prog, (0xABC0, 0xDEF0), (0x50000, 0x60000, 0x70000))
+    rec = fake.last_launch()
+    assert rec["stream"] == 0xABC0 and rec["grid"] == (3, 4, 1)
+    scalars, kmap, vmap = _unpack_kkt(rec["params"])
+    assert scalars == (0x50000, 0x60000, 0x70040, 4, 192, 0.125)
+    assert kmap["address"] == 0x50000 and vmap["address"] == 0x60000 and kmap["dims"] == (128, 4, 192)
+    assert fake.stat("event_records") == 2 and fake.stat("stream_waits") == 2
+    _launcher.program_run(prog, (0xABC0, 0xDEF0), (0x80000, 0x60000, 0x70000))  # a new address: a new map
+    assert _unpack_kkt(fake.last_launch()["params"])[1]["address"] == 0x80000
+    assert fake.stat("launches") == 2
+
+
+def test_program_rejects_bad_templates_and_calls(env, fake, lib):
+    k = lib.kernel("kkt_solve", dtype="bf16", K=128)
+    fn = k.load(0)
+    with pytest.raises(ValueError, match="pointer slot 5 outside 0..2"):
+        _launcher.program_new([_program_ops(k, fn, (1, 1, 1), lambda p: (5, 0))], 3, 1)
+    with pytest.raises(ValueError, match="stream index 0 outside|join streams"):
+        _launcher.program_new([("join", 0, 0)], 0, 1)
+    with pytest.raises(TypeError, match="expected"):
+        _launcher.program_new([("sync",)], 0, 1)
+    prog = _launcher.program_new([_program_ops(k, fn, (1, 1, 1), lambda p: p)], 0, 1)  # absolute addresses
+    with pytest.raises(TypeError, match="pointers must be a tuple of 0 ints"):
+        _launcher.program_run(prog, (0,), (1,))
+    _launcher.program_run(prog, (0x10,), ())
+    assert _unpack_kkt(fake.last_launch()["params"])[0][:3] == (0x10000, 0x20000, 0x30000)
+    env.setenv("FAKE_CUDA_FAIL", "cuLaunchKernel=1")
+    with pytest.raises(CudaDriverError, match="program op 0: cuLaunchKernel"):
+        _launcher.program_run(prog, (0x10,), ())

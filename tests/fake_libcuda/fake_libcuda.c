@@ -29,7 +29,7 @@ static __thread FakeCtx *t_current = NULL;
 
 static struct {
     long init, driver_version, proc_lookups, module_loads, get_function, set_attr, encodes, launches, retains,
-        set_current;
+        set_current, events, event_records, stream_waits;
 } st;
 
 static struct {
@@ -256,6 +256,30 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     return 0;
 }
 
+/* Events: a counter each; the fake keeps no order between streams. */
+static int g_event_storage[256];
+
+CUresult cuEventCreate(void **ev, unsigned flags) {
+    FAIL_IF_ASKED("cuEventCreate");
+    if (t_current == NULL) return 201;
+    *ev = &g_event_storage[st.events++ % 256];
+    return 0;
+}
+
+CUresult cuEventDestroy(void *ev) { return 0; }
+
+CUresult cuEventRecord(void *ev, void *stream) {
+    FAIL_IF_ASKED("cuEventRecord");
+    st.event_records++;
+    return 0;
+}
+
+CUresult cuStreamWaitEvent(void *stream, void *ev, unsigned flags) {
+    FAIL_IF_ASKED("cuStreamWaitEvent");
+    st.stream_waits++;
+    return 0;
+}
+
 static const struct { int code; const char *name, *desc; } g_errors[] = {
     {0, "CUDA_SUCCESS", "no error"},
     {1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
@@ -304,6 +328,10 @@ static const struct { const char *name; void *fn; } g_procs[] = {
     {"cuTensorMapEncodeTiled", (void *)cuTensorMapEncodeTiled},
 #endif
     {"cuLaunchKernel", (void *)cuLaunchKernel},
+    {"cuEventCreate", (void *)cuEventCreate},
+    {"cuEventDestroy", (void *)cuEventDestroy},
+    {"cuEventRecord", (void *)cuEventRecord},
+    {"cuStreamWaitEvent", (void *)cuStreamWaitEvent},
     {"cuGetErrorString", (void *)cuGetErrorString},
     {"cuGetErrorName", (void *)cuGetErrorName},
 };
@@ -328,7 +356,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
 long fake_stat(const char *name) {
 #define S(x) if (strcmp(name, #x) == 0) return st.x;
     S(init) S(driver_version) S(proc_lookups) S(module_loads) S(get_function) S(set_attr) S(encodes) S(launches)
-    S(retains) S(set_current)
+    S(retains) S(set_current) S(events) S(event_records) S(stream_waits)
 #undef S
     return -1;
 }
