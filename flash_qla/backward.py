@@ -1,9 +1,9 @@
 """The sm_90a GDN backward: recompute, reverse state recurrence, chunk-parallel gradients.
 
-1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_fwd's save build, which
+1. Recompute the forward intermediates (gdn_plan, gdn_prepare, then gdn_bwd_recompute, which
    stores each chunk's entering state and W, Vnew): nothing but the inputs is saved by the forward (the low-level
    API's caller passes the forward's A and g cumsum, which gdn_prepare then reads as they are). The save
-   build runs beside step 2 on a side stream (SAVE_CHAIN_BESIDE_DH; else before it on the caller's stream).
+   build runs beside step 2 on a side stream (tuning.save_chain_beside_dh; else before it on the caller's stream).
 2. gdn_bwd_dh walks each (sequence, v-head, V-block) chain backwards: per chunk the leaving-state gradient
    dh, X = dL/dVnew and dV; dh0 at the end. With intra-card CP (when the recompute used it) the chains are the
    segments, from gradients a reverse warm-up pre-pass and a reverse combine give them; that pre-pass starts on
@@ -21,38 +21,31 @@ from typing import Optional
 
 import torch
 
-from . import ops
+from . import forward as fwd
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
+from .launch import CHUNK, current_stream, dense, empty, join, launch, num_sms, packed, side_stream
+from .tuning import settings
 from .validation import Problem, validate_inputs
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
-# The save chain runs beside the dh chain (on a side stream, sharing the SMs): up to 38% faster on some rows. It
-# used to hang now and then (H200: 3 stalls in ~280 sequences): a lagging producer warp of gdn_fwd's save build met a
-# reused mbarrier parity and never left (cuda-gdb on a held stall). The producer branches of the warp-specialised
-# kernels now run on one warp (aot/kernels/producer_warp.py); bench/results/experiments/backward_hang_hunt_h200.md.
-SAVE_CHAIN_BESIDE_DH = True
-# gdn_bwd_chunk's CTA count cap (None: one per SM). Tests and sanitizer runs set a small one so that small problems
-# put several items through each CTA's persistent loop.
-CHUNK_CTAS_MAX: Optional[int] = None
-
-
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht).
-    dg is with respect to the raw g; dh0 is None without an initial state. A: the forward's gate-free inverse
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
+    dtypes (dg and dbeta float32; flash_qla/ops.py converts). dg is with respect to the raw g; dh0 is None without an
+    initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
     when the caller kept it (FlashQLA's low-level API), read instead of solved again; g_is_cumsum: g is the chunk-local
     cumsum (that API's form; dg is still with respect to the raw g)."""
     dt = q.dtype
     saved: dict = {}
-    # gdn_fwd's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
+    # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
     # SAVE_CHAIN_BESIDE_DH the save chain runs on a side stream beside the dh chain (fork / join by events, parallel
     # branches in a CUDA graph), else before it on the caller's stream
     main = torch.cuda.current_stream(q.device)
-    side = ops._side_stream(q.device, "save_chain") if SAVE_CHAIN_BESIDE_DH else None
+    side = side_stream(q.device, "save_chain") if settings.save_chain_beside_dh else None
     with torch.no_grad():
-        do_p = ops._packed(do.to(dt))  # both kernels read it: packed once
+        do_p = packed(do.to(dt))  # both kernels read it: packed once
         dht_c = dht.float().contiguous() if dht is not None else None
         early: dict = {}
 
@@ -60,8 +53,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
             # with CP the dh chain's pre-pass (reverse warm-ups, transposed transitions, reverse combine) needs only
             # gdn_prepare's outputs, dO and the tables: it starts on a stream of its own as soon as the tables are
             # launched, beside the recompute's own pre-pass and save chain, instead of after them
-            early["stream"] = pre = ops._side_stream(q.device, "dh_pre_pass")
-            pre.wait_stream(main)
+            early["stream"] = pre = side_stream(q.device, "dh_pre_pass")
+            join(pre, main)
             with torch.cuda.stream(pre):
                 early["ds_out"] = _dh_cp_pre_pass(problem, saved, seg, *reverse, do_p, dht_c)
             for buf in (do_p, dht_c, seg.cu, seg.slot, seg.base, *reverse):
@@ -69,22 +62,18 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
                     buf.record_stream(pre)
             early["ds_out"].record_stream(main)
 
-        ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
+        fwd.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
                     want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A,
                     g_is_cumsum=g_is_cumsum, after_cp_tables=start_reverse_pre_pass)
         if "stream" in early:
-            main.wait_stream(early["stream"])
+            join(main, early["stream"])
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
                                               early.get("ds_out"))
         if side is not None:
-            main.wait_stream(side)  # gdn_bwd_chunk reads hs, W, Vnew
-        raw = (ops._dense(q), ops._dense(k)) if use_qk_l2norm else None
+            join(main, side)  # gdn_bwd_chunk reads hs, W, Vnew
+        raw = (dense(q), dense(k)) if use_qk_l2norm else None
         dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
-    shape = (problem.batch, problem.tokens)
-    dq, dk = dq.unflatten(0, shape), dk.unflatten(0, shape)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.unflatten(0, shape).to(v.dtype), dg.unflatten(0, shape).to(g.dtype),
-            dbeta.unflatten(0, shape).to(beta.dtype),
-            dh0.to(initial_state.dtype) if initial_state is not None else None)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def _dh_pointers(saved: dict, do_p, dht_c, scratch) -> dict:
@@ -105,8 +94,8 @@ def _dh_cp_pre_pass(problem: Problem, saved: dict, seg, rend, rfallback, do_p, d
     pointers = dict(_dh_pointers(saved, do_p, dht_c, saved["agb"]), cu_seqlens=seg.cu.data_ptr(),
                     chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(), rfallback=rfallback.data_ptr())
     sizes = dict(saved["sizes"], use_dht=0, store_dh0=1, ordered=0)
-    return ops.cp_pre_pass_and_combine(DH_KERNEL, problem, saved["tag"], seg, rfallback, sizes, pointers, "dh0", dht_c,
-                                       True, ops.current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans")
+    return fwd.cp_pre_pass_and_combine(DH_KERNEL, problem, saved["tag"], seg, rfallback, sizes, pointers, "dh0", dht_c,
+                                       True, current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans")
 
 
 def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bool,
@@ -119,8 +108,9 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
     dt = saved["q"].dtype
-    dv, x = (ops._empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))  # dv is returned on its own
-    dhs = ops.chunk_slot_states(saved["TC"] // ops.CHUNK, problem, dev, dt)
+    dv = empty(problem.batch, problem.tokens, Hv, V, device=dev, dtype=dt, output="dv")
+    x = empty(T, Hv, V, device=dev, dtype=dt)
+    dhs = fwd.chunk_slot_states(saved["TC"] // CHUNK, problem, dev, dt)
     tag = saved["tag"]
     pointers = dict(_dh_pointers(saved, do_p, dht_c, dhs), x=x.data_ptr(), dv=dv.data_ptr())
     sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0), ordered=1)
@@ -133,13 +123,14 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
         pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), dht=ds_out.data_ptr())
         sizes.update(N=seg.count, use_dht=1, ordered=0)  # equal segments: dispatched in index order
         chains = seg.count
-    dh0 = ops._empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+    dh0 = (empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32, output=None if chains else "dh0")
+           if want_dh0 else None)
     if dh0 is not None:
         pointers.update(dh0=dh0.data_ptr())
-    bv = ops._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
-    ops._launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
+    bv = fwd._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
+    launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
-        dh0 = ops.per_sequence(dh0, seg.base[:N], seg, dht_c)
+        dh0 = fwd.SegmentStates(dh0, seg.base[:N], seg.last, dht_c, seg.count)
     return dv, x, dhs, dh0
 
 
@@ -148,9 +139,9 @@ def chunk_stage_inputs(q, k, v, g, beta, initial_state, cu_seqlens, do, dht):
     i.e. everything gdn_bwd_chunk reads (for the tests and experiments that check or time that stage alone)."""
     problem = validate_inputs(q, k, v, g, beta, None, initial_state, cu_seqlens)
     saved: dict = {}
-    ops.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, False, want_gate_free_inverse=True,
+    fwd.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, False, want_gate_free_inverse=True,
                 saved=saved)
-    do_p = ops._packed(do)
+    do_p = packed(do)
     dv, x, dhs, _ = _reverse_recurrence(problem, saved, do_p, dht.float().contiguous(), True)
     return problem, saved, (do_p, x, dv, dhs)
 
@@ -160,15 +151,15 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     un-normalised (q, k) under use_qk_l2norm_in_kernel (saved q / k are then the normalised rows), and dq / dk
     come out with respect to them."""
     dev = do_p.device
-    T, Hq, Hv, K = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
+    B, Tb, Hq, Hv, K = problem.batch, problem.tokens, problem.num_qk_heads, problem.num_v_heads, problem.head_dim_k
     dt = saved["q"].dtype
     # separate allocations: outputs that share a storage cannot be returned by a torch custom op (torch_ops)
-    dq, dk = (ops._empty(T, Hq, K, device=dev, dtype=dt) for _ in range(2))
-    dbeta, dg = (ops._empty(T, Hv, device=dev, dtype=torch.float32) for _ in range(2))
+    dq, dk = (empty(B, Tb, Hq, K, device=dev, dtype=dt, output=name) for name in ("dq", "dk"))
+    dbeta, dg = (empty(B, Tb, Hv, device=dev, dtype=torch.float32, output=name) for name in ("dbeta", "dg"))
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
-    ctas = min(CHUNK_CTAS_MAX or ops._num_sms(dev), saved["TC"] // ops.CHUNK * Hq)
-    ops._launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
+    ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)
+    launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
                 dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
@@ -187,13 +178,13 @@ def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     """The same stage in batched torch GEMMs (flash_qla.chunk_grads): the CPU tests' specification."""
     T, Hq, Hv = problem.batch * problem.tokens, problem.num_qk_heads, problem.num_v_heads
     ratio = Hv // Hq
-    slots = saved["TC"] // ops.CHUNK
+    slots = saved["TC"] // CHUNK
     m = slot_map(saved["cu"], saved["offsets"], T, slots)
     qs = to_slots(saved["q"], m).repeat_interleave(ratio, dim=1)
     ks = to_slots(saved["k"], m).repeat_interleave(ratio, dim=1)
-    valid = to_slots(torch.ones(T, 1, device=do_p.device), m).expand(slots, Hv, ops.CHUNK)
-    gamma = saved["gam_t"].view(Hv, slots, ops.CHUNK).transpose(0, 1)
-    # the slots past the last chunk are never written (ops.chunk_slot_states): zeroed in copies (x 0 in the batched
+    valid = to_slots(torch.ones(T, 1, device=do_p.device), m).expand(slots, Hv, CHUNK)
+    gamma = saved["gam_t"].view(Hv, slots, CHUNK).transpose(0, 1)
+    # the slots past the last chunk are never written (forward.chunk_slot_states): zeroed in copies (x 0 in the batched
     # products; a host read of the chunk count is fine in this specification path)
     used = int(saved["offsets"][-1])
     hs, dhs = (t.to(compute_dtype(t), copy=True) for t in (saved["hs"], dhs))

@@ -1,6 +1,6 @@
 """The chunk-parallel half of the GDN backward: dq, dk, dbeta and dgamma from per-chunk states.
 
-Once the forward recompute (gdn_fwd, save build) has stored every chunk's entering state S, W and Vnew,
+Once the forward recompute (gdn_bwd_recompute, save build) has stored every chunk's entering state S, W and Vnew,
 and the reverse recurrence (gdn_bwd_dh) every chunk's leaving-state gradient dS', X = dL/dVnew and
 dW = dL/dV, what remains is independent per (chunk, v-head). With Gamma_ij = exp(gamma_i - gamma_j)
 (i >= j), eg = exp(gamma), et = exp(gamma_last - gamma), A the gate-free inverse and

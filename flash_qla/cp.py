@@ -2,11 +2,11 @@
 
 When sequences x v-heads cannot fill the GPU (one long sequence, few heads), each sequence is cut into
 segments of L chunks that run in parallel:
-  1. pre-pass (gdn_fwd_st, mode "state"): for every segment s after a sequence's first, the state-only chain
+  1. pre-pass (gdn_fwd_chain, mode "state"): for every segment s after a sequence's first, the state-only chain
      from S = 0 over the last w chunks of segment s - 1 (the warm-up) -> Z[s];
      (mode "trans", fallback heads only) the exact transition M[s] of segment s - 1 -> M[s];
   2. gdn_cp_combine: h_in[s] = Z[s] + (fallback ? M[s] h_in[s-1] : 0), serially over a sequence's segments;
-  3. gdn_fwd_st (the output pass) over the segments as independent sequences from h_in; the final state is the
+  3. gdn_fwd_chain (the output pass) over the segments as independent sequences from h_in; the final state is the
      last segment's.
 Warm-up bound: with Phi the transition over w chunks, ||Phi||_2 <= exp(sum of g over them) as long as
 every token's factor (I - beta k k^T) is non-expansive, i.e. 0 <= beta ||k||^2 <= 2. w is the fewest
@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from .planner import OUT_CHAIN_COST, chain_time
+from .tuning import settings
 
 CHUNK = 64
 WARMUP_LOG_DECAY = -10.0
@@ -53,16 +54,13 @@ LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan
 # TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344, so the plain path stays there.
 EAGER_HOST_COST = 120.0
 PLAIN_HOST_COST = 44.0
-# The backward's segments run two chain kernels, gdn_fwd's save build and gdn_bwd_dh, two pre-passes (the recompute's
+# The backward's segments run two chain kernels, gdn_bwd_recompute's save build and gdn_bwd_dh, two pre-passes (the recompute's
 # warm-ups / transitions and the dh chain's reverse ones) and two serial combines. The save build's CTAs (78 KB)
 # pair up on an SM, the dh chain's do not: paired_share of the chain time counts waves of two CTAs per SM. Fitted on
-# the H200 with the save chain beside the dh chain (scripts/cp_backward_sweep.py,
-# bench/results/experiments/cp_backward_sweep_beside_h200.jsonl: 21 shapes, hv 8-64, 8k-128k tokens, one to eight
-# sequences): the chosen L is within 0.7% of the best swept one on each (cp_backward_planner_beside_h200.md). With the
-# chains in order (the ninth session's fit) one pre-pass was counted; beside each other, that kept CP on hv32 single
-# sequences, 7-13% slower than without. CP is taken whenever predicted faster.
+# the H200 with the save chain beside the dh chain (a sweep of 21 shapes, hv 8-64, 8k-128k tokens, one to eight
+# sequences): the chosen L is within 0.7% of the best swept one on each. Counting one pre-pass (a fit with the chains
+# in order) kept CP on hv32 single sequences, 7-13% slower than without. CP is taken whenever predicted faster.
 BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4, "pre_passes": 2, "host_scale": 2.5}
-FORCE_SEGMENT_CHUNKS: Optional[int] = None  # tests pin L (0: never CP)
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
@@ -80,8 +78,8 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM); pre_passes: pre-pass
     builds per segment (the backward's: BACKWARD_PLAN); host_scale: the path's host time relative to the forward's
     (BACKWARD_PLAN's, for the backward's launches). Memoised: every forward asks."""
-    if FORCE_SEGMENT_CHUNKS is not None:
-        return FORCE_SEGMENT_CHUNKS or None
+    if settings.force_segment_chunks is not None:
+        return settings.force_segment_chunks or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
              None if capturing else (PLAIN_HOST_COST * host_scale, (PLAIN_HOST_COST + EAGER_HOST_COST) * host_scale),
              tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), combines,

@@ -1,465 +1,114 @@
-"""The sm_90a kernel path behind the public API: packing and launches (autograd via a Function whose
-backward is flash_qla/backward.py; no torch.library registration yet).
+"""The kernel path's entry points behind the public API: input preparation, plan look-up, autograd.
 
-Every call is turned into one packed varlen problem (a dense batch B x T becomes B sequences of T
-tokens), then three launches on the caller's stream:
-  gdn_plan     chunk offsets of the packed batch (one scan),
-  gdn_prepare  per (chunk, v-head): gamma, the gate-free inverse and Agb = Gamma * A * beta,
-               P = scale * Gamma * tril(Q K^T), exp factors,
-  gdn_fwd      per (sequence, v-head, V-block): the state recurrence.
-Nothing is read back to the host: chunk offsets are computed on the device, so a call can be captured
-in a CUDA graph.
+A call is validated (flash_qla.validation, O(1) Python, no device synchronisation), its inputs brought to the
+kernels' layouts (no-ops for the usual dtypes), and run by its cached plan (flash_qla/plans.py): the first call of a
+signature records forward.forward / backward.backward, later ones replay them with one C crossing.
 """
 from __future__ import annotations
 
-import os
-from typing import Optional, Tuple
+import functools
+from typing import Optional
 
 import torch
 
-from . import cp, loader
-from .chunk_grads import token_positions
-from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_fused_block_v, plan_heads_per_cta,
-                      plan_irregular_block_v, prefer_fused)
+from . import plans
+from .backward import backward
+from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, per_sequence
+from .launch import current_stream, dense, packed, supported_head_dims
+from .tuning import settings
 from .validation import Problem, validate_kernel_inputs
 
-CHUNK = 64
-FWD_KERNEL = "gdn_fwd"     # the shared-memory-staged chain's save build (the backward's recompute pass)
-OUT_KERNEL = "gdn_fwd_st"  # the transposed-state chain: the output pass and the CP pre-pass (state / trans)
-FUSED_KERNEL = "gdn_fwd_fused"  # the whole forward in one kernel (no CP, no saved intermediates)
-# The plain forward's path: None lets the planner choose per shape (flash_qla/planner.py prefer_fused); tests and
-# experiments pin True / False. FLASH_QLA_FUSED=0 / 1 pins it from the environment.
-USE_FUSED: Optional[bool] = {"0": False, "1": True}.get(os.environ.get("FLASH_QLA_FUSED", ""))
-# the chain kernels whose V block a batch of several sequences plans by unequal chains (planner.py
-# plan_irregular_block_v), the others by equal waves. gdn_fwd's save build joined with the chains run in order (H200
-# hk4_hv8 8k_8seq 0.345 -> 0.323 ms, 32k_8seq 1.123 -> 1.049: its BV 64 -> 32; chain_plans_in_order_h200.txt) and
-# stays with them beside each other (hk4_hv8 32k_8seq at BV 32 0.878 ms, forced 64 0.899;
-# chain_overlap_beside_bv64_h200.jsonl). The hk16_hv32 rows plan 64 either way (bench/results/experiments/).
-IRREGULAR_CHAIN_KERNELS = {"gdn_bwd_dh", "gdn_fwd"}
-FORCE_BLOCK_V: Optional[int] = None  # tests pin a V block (in every chain kernel that builds it) to cover each variant
-FORCE_HEADS_PER_CTA: Optional[int] = None  # tests pin gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4)
-_SMS: dict = {}
-# Debug switch for tests: fill every output with NaN before the launch, so unwritten elements show.
-POISON_OUTPUTS = os.environ.get("FLASH_QLA_POISON_OUTPUTS") == "1"
-_DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "run_forward",
+           "run_backward", "supported_head_dims"]
 
 
-_CACHE: dict = {}  # manifest-derived lookups, built once per process (the manifest never changes at run time)
-
-
-def supported_head_dims() -> set:
-    if "dims" not in _CACHE:
-        _CACHE["dims"] = {(v["K"], v["V"]) for v in loader.library().variants(FWD_KERNEL)}
-    return _CACHE["dims"]
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device.index]
-
-
-def _built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int, l2norm: Optional[int] = None) -> list:
-    """The V blocks built for a kernel's variant (l2norm: only the builds with that flag, gdn_fwd_fused's axis)."""
-    key = ("bv", kernel, mode, tag, K, V, l2norm)
-    if key not in _CACHE:
-        _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
-                       if (v["dtype"], v["K"], v["V"]) == key[3:6] and v.get("mode") == mode
-                       and (l2norm is None or v.get("l2norm") == l2norm)]
-    return _CACHE[key]
-
-
-def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = OUT_KERNEL, mode: Optional[str] = "out",
-             chains_per_head: Optional[int] = None) -> int:
-    """The V block of a chain kernel (gdn_fwd_st, gdn_fwd's save build, gdn_bwd_dh): planned from the built
-    blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
-    v-head."""
-    built = _built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
-    if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built:
-        return FORCE_BLOCK_V
-    if chains_per_head is None and problem.num_seqs > 1 and kernel in IRREGULAR_CHAIN_KERNELS:
-        return plan_irregular_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                                      problem.head_dim_v, tuple(built), _num_sms(device),
-                                      tuple(sorted(_chain_costs(kernel).items())))
-    seqs = problem.num_seqs if chains_per_head is None else chains_per_head
-    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, _num_sms(device), _chain_costs(kernel))
-
-
-def _chain_costs(kernel: str) -> dict:
-    """The per-chunk chain costs of a chain kernel by V block (flash_qla/planner.py): gdn_fwd_st keeps the state
-    in registers, gdn_fwd's save build and gdn_bwd_dh stage it through shared memory."""
-    return OUT_CHAIN_COST if kernel == OUT_KERNEL else STAGED_CHAIN_COST
-
-
-def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
-    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py); save: for the backward's
-    recompute, whose segments run gdn_fwd's save build (staged chains, its own V blocks)."""
-    kernel, mode = (FWD_KERNEL, "save") if save else (OUT_KERNEL, "out")
-    built = tuple(_built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
-    return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                                  problem.head_dim_k, problem.head_dim_v, _num_sms(device), built,
-                                  capturing=torch.cuda.is_current_stream_capturing(), chain_costs=_chain_costs(kernel),
-                                  **(cp.BACKWARD_PLAN if save else {}))
-
-
-def _packed(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] -> contiguous [B*T, ...] (a view when already contiguous)."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
-
-
-def _dense(x: torch.Tensor) -> torch.Tensor:
-    """x in its own layout, contiguous: the same memory as the packed [B*T, ...] view (pointer use only)."""
+def _contiguous(x: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    if x is None:
+        return None
+    if dtype is not None and x.dtype != dtype:
+        return x.to(dtype).contiguous()
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> torch.Tensor:
-    """cu_seqlens as int32 on the device (a dense batch's made up)."""
-    if cu_seqlens is None:
-        T = problem.tokens
-        return (torch.arange(0, (problem.batch + 1) * T, T, device=device, dtype=torch.int32) if T > 0 else
-                torch.zeros(problem.batch + 1, device=device, dtype=torch.int32))
-    return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+def _forward_inputs(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple:
+    """The tensors the forward's kernels read, in their layouts: q, k, v, g contiguous, beta and h0 float32,
+    cu_seqlens int32 on the device (a dense batch's made up)."""
+    return (dense(q), dense(k), dense(v), dense(g), _contiguous(beta, torch.float32),
+            _contiguous(initial_state, torch.float32), device_cu_seqlens(problem, cu_seqlens, q.device))
 
 
-def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
-             stream=None, want_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int32, chunk_offsets int32, seq_order int32) on the device: one small planning kernel, no host
-    synchronisation. seq_order (with want_order; unwritten otherwise) lists the sequences longest first: the
-    backward's chain kernels' dispatch order."""
-    cu = _cu_seqlens(problem, cu_seqlens, device)
-    N = problem.num_seqs
-    plan = torch.empty(2 * N + 1, device=cu.device, dtype=torch.int32)  # one allocation for both tables
-    offsets, order = plan[:N + 1], plan[N + 1:]
-    _launch("gdn_plan", {"tile": 1024}, device, {"N": N, "want_order": int(want_order)},
-            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr()},
-            stream)
-    return cu, offsets, order
+def _finish_forward(o, A, ht):
+    return o, ht, A
 
 
-def current_stream(device: torch.device) -> int:
-    """The caller's current CUDA stream as a raw handle (torch.cuda.current_stream: 3.5 us per call, H200 host)."""
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
-                                              torch.cuda.current_device())
+def _finish_forward_cp(o, A, states, segment, last, boundary, *, count):
+    return o, per_sequence(states, segment, last, boundary, count), A
 
 
-def _empty(*shape, device, dtype) -> torch.Tensor:
-    if POISON_OUTPUTS:  # NaN, or for integer tables the most negative value
-        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, poison, device=device, dtype=dtype)
-    return torch.empty(*shape, device=device, dtype=dtype)
+def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool, output_final_state: bool,
+                use_qk_l2norm: bool, want_gate_free_inverse: bool = False) -> tuple:
+    """A forward plan's key: everything its decisions depend on (sizes and scale in ``problem``, dtypes, flags,
+    device, the tuning generation). Sequence lengths beyond the token and sequence counts are not in it: the plans
+    read them on the device."""
+    return ("fwd", device.index, problem, dtype, bool(has_h0), bool(output_final_state), bool(use_qk_l2norm),
+            bool(want_gate_free_inverse), settings.generation)
 
 
-def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
-    """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last chunk
-    (slots = ceil(T / 64) + N bounds the chunk count) are left as they are: no kernel reads them (gdn_bwd_chunk's
-    CTAs past the last chunk return at once), and the torch specification of the chunk stage zeroes its own copy
-    (backward._chunk_parallel). A memset there was a node on the backward's critical path."""
-    return _empty(slots, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, device=device, dtype=dtype)
+def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state: bool, cu_seqlens,
+                use_qk_l2norm: bool, want_gate_free_inverse: bool = False):
+    """(o [B, T, Hv, V], final state [N, Hv, K, V] fp32 or an empty tensor, A [B, T, Hv, 64] or None, cu int32)."""
+    validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
+    inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens)
+    dev = q.device
+    key = forward_key(problem, dev, q.dtype, initial_state is not None, output_final_state, use_qk_l2norm,
+                      want_gate_free_inverse)
+
+    def record():
+        qi, ki, vi, gi, bi, h0, cu = inputs
+        o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, use_qk_l2norm,
+                              want_gate_free_inverse=want_gate_free_inverse)
+        if isinstance(ht, SegmentStates):
+            return (o, A) + ht.tensors(), functools.partial(_finish_forward_cp, count=ht.count)
+        return (o, A, ht), _finish_forward
+
+    o, ht, A = plans.call(key, inputs, dev, current_stream(dev), record)
+    return o, ht, A, inputs[-1]
 
 
-def _launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers: dict, stream=None) -> None:
-    key = (name, tuple(variant.items()))
-    kernel = _CACHE.get(key)
-    if kernel is None:  # resolved once: the manifest lookup costs microseconds per launch otherwise
-        kernel = _CACHE[key] = loader.library().kernel(name, **variant)
-    if stream is None:
-        stream = current_stream(device)
-    kernel.launch(device.index, stream, sizes, pointers)
+def _finish_backward(dq, dk, dv, dg, dbeta, dh0, *, dtypes):
+    return _converted((dq, dk, dv, dg, dbeta, dh0), dtypes)
 
 
-def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-            want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
-            save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
-            g_is_cumsum: bool = False, after_cp_tables=None):
-    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
+def _finish_backward_cp(dq, dk, dv, dg, dbeta, states, segment, last, boundary, *, count, dtypes):
+    return _converted((dq, dk, dv, dg, dbeta, per_sequence(states, segment, last, boundary, count)), dtypes)
 
-    With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_fwd runs and
-    the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
-    et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
-    build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
-    With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
-    with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so).
-    ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
-    launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own)."""
+
+def _converted(grads, dtypes):
+    return tuple(None if d is None else d.to(t) for d, t in zip(grads, dtypes))
+
+
+def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
+                 A=None, g_is_cumsum: bool = False):
+    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
-    dt = q.dtype
-    T = problem.batch * problem.tokens
-    Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
-    # the kernels take pointers: a contiguous [B, T, ...] tensor is already the packed [B*T, ...] layout, so the
-    # packed views are made only where tensors are kept (the backward's saved dict); views cost ~2 us each
-    qp, kp, vp, gp, bp = (_dense(x) for x in (q, k, v, g, beta.float()))
-    stream = current_stream(dev)
-    tag = _DTYPE_TAG[dt]
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    fused_bv = (_fused_block(problem, tag, dev, use_qk_l2norm)
-                if saved is None and L is None and not want_gate_free_inverse else None)
-    if fused_bv is not None:
-        o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, _cu_seqlens(problem, cu_seqlens, dev),
-                               output_final_state, use_qk_l2norm, tag, fused_bv, stream)
-        return o.view(problem.batch, problem.tokens, Hv, V), ht, None, (cu_seqlens, None)
-    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
-    agb, pqk = (_empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
-    # gate_free_inverse: the caller's A (checked by the API), read by gdn_prepare instead of solved again
-    read_a = gate_free_inverse is not None
-    A = (_packed(gate_free_inverse) if read_a else
-         _empty(T, Hv, CHUNK, device=dev, dtype=dt) if want_gate_free_inverse else None)
-    # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
-    # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
-    TC = (-(-T // CHUNK) + N) * CHUNK
-    # one allocation for the four fp32 tiles and the int32 slot table (eager calls are host-bound on small rows: each
-    # allocation costs ~3 us); slot_rows[s] = (first row, valid rows) of chunk slot s, for gdn_bwd_chunk
-    slots = TC // CHUNK
-    slot_rows_at = 3 * Hv * TC + Hv * slots  # elements before the slot table
-    tiles = _empty(slot_rows_at + 2 * slots, device=dev, dtype=torch.float32)
-    tile_ptr = [tiles.data_ptr() + i * Hv * TC * 4 for i in range(4)]  # eg, et, gamma, bkk_max
+    inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (
+        _contiguous(do, q.dtype), _contiguous(dht, torch.float32), _contiguous(A))
+    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+              initial_state.dtype if initial_state is not None else None)
+    key = ("bwd", dev.index, problem, dtypes, dht is not None, A is not None, bool(use_qk_l2norm), g_is_cumsum,
+           settings.generation)
 
-    def tile(i: int) -> torch.Tensor:  # tile i as a tensor (views cost ~2 us: made only where tensors are kept)
-        width = TC if i < 3 else TC // CHUNK
-        return tiles[i * Hv * TC:i * Hv * TC + Hv * width].view(Hv, width)
-    o = _empty(T, Hv, V, device=dev, dtype=dt)
-    ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
-    hpc = _heads_per_cta(problem, dev)
-    # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
-    # recurrence kernels then read in place of q / k
-    qn, kn = ((_empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
-              else (qp, kp))
-    # and each row's factor (|x|^2 + eps)^-1/2, head-major by chunk slot (as the gamma tiles), which gdn_bwd_chunk's
-    # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
-    # (without l2norm the kernels never read it: `tiles`, larger than its [2, Hq, TC], stands in as its address)
-    rn = _empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
-    _launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
-            dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
-                 g_is_cumsum=int(g_is_cumsum)),
-            {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
-             "rn": rn.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
-             "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
-             "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
-             "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
-             "slot_rows": tiles.data_ptr() + slot_rows_at * 4}, stream)
-    qp, kp = qn, kn
-    pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
-                "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
-                "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
-                "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr(),
-                "seq_order": order.data_ptr()}
+    def record():
+        qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs
+        dq, dk, dv, dg, dbeta, dh0 = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai,
+                                              g_is_cumsum=g_is_cumsum)
+        if isinstance(dh0, SegmentStates):
+            return ((dq, dk, dv, dg, dbeta) + dh0.tensors(),
+                    functools.partial(_finish_backward_cp, count=dh0.count, dtypes=dtypes))
+        return (dq, dk, dv, dg, dbeta, dh0), functools.partial(_finish_backward, dtypes=dtypes)
 
-    def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
-        return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
-
-    if saved is None and L is not None:
-        ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
-    elif saved is None:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
-        _launch(OUT_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-                pointers, stream)
-    else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
-        hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
-        w, vnew = (_empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
-        pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
-        eg_t, et_t, gam_t = (tile(i) for i in range(3))
-        # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
-        saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
-                     eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
-                     sizes=sizes, tag=tag, order=order,
-                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn)
-        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
-        if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
-            seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,
-                                                  after_tables=after_cp_tables)
-            saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
-            pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
-            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0), seg.count
-        bv = _block_v(problem, tag, dev, kernel=FWD_KERNEL, mode="save", chains_per_head=chains)
-        if save_stream is not None:
-            save_stream.wait_stream(torch.cuda.current_stream(dev))
-        _launch(FWD_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,
-                save_stream.cuda_stream if save_stream is not None else stream)
-        if save_stream is not None:  # v / h0 may be copies made here and h_in is CP's: only the launch holds them
-            for buf in (vp, h0, h_in if L is not None else None):
-                if buf is not None:
-                    buf.record_stream(save_stream)
-    shape = (problem.batch, problem.tokens)
-    A = A.view(*shape, Hv, CHUNK) if A is not None else None
-    return o.view(*shape, Hv, V), ht, A, (cu, offsets)
-
-
-def _fused_block(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> Optional[int]:
-    """gdn_fwd_fused's V block for this plain forward, or None for gdn_prepare + gdn_fwd_st. The block is
-    FORCE_BLOCK_V when built, else planned (flash_qla/planner.py plan_fused_block_v) among the builds with this
-    l2norm flag; the path is pinned by USE_FUSED, else planned (prefer_fused at that block)."""
-    built = _built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v, int(l2norm))
-    if USE_FUSED is False or not built:
-        return None
-    tokens, sms = problem.batch * problem.tokens, _num_sms(device)
-    bv = (FORCE_BLOCK_V if FORCE_BLOCK_V is not None and FORCE_BLOCK_V in built else
-          plan_fused_block_v(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms, tuple(built),
-                             bool(l2norm)))
-    if USE_FUSED or prefer_fused(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms,
-                                 _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm), bv):
-        return bv
-    return None
-
-
-def _heads_per_cta(problem: Problem, device: torch.device) -> int:
-    """gdn_prepare's v-heads per CTA (flash_qla/planner.py), over its chunk slots ceil(T / 64) + N."""
-    slots = -(-(problem.batch * problem.tokens) // CHUNK) + problem.num_seqs
-    return FORCE_HEADS_PER_CTA or plan_heads_per_cta(slots, problem.num_v_heads, problem.num_qk_heads,
-                                                     _num_sms(device))
-
-
-def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
-                   bv: int, stream):
-    """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
-    dev = q.device
-    T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
-                      problem.num_seqs)
-    o = _empty(T, Hv, V, device=dev, dtype=q.dtype)
-    ht = _empty(N, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else o.new_empty(0)
-    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv}
-    _launch(FUSED_KERNEL, variant, dev,
-            {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
-             "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},
-            {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
-             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
-             "ht": ht.data_ptr()}, stream)
-    return o, ht
-
-
-_SIDE_STREAMS: dict = {}  # device index -> {name: [streams]}
-
-
-def _side_stream(device: torch.device, name: str = "side") -> torch.cuda.Stream:
-    """A stream for work beside the caller's, distinct from the caller's current stream and from every other named
-    side stream. torch.cuda.Stream() hands out its 32-stream pool round-robin, so a cached side stream can be the
-    very stream a later caller runs on (a CUDA-graph capture stream, say): the "parallel" branches then ran in order
-    (H200: the bench's graphs of the backward after its forward rows were up to 20% slower than alone)."""
-    current = current_stream(device)  # the raw handle: torch.cuda.current_stream costs 3.5 us (H200 host), per call
-    named = _SIDE_STREAMS.setdefault(device.index, {})
-    for stream in named.get(name, ()):
-        if stream.cuda_stream != current:
-            return stream
-    taken = {s.cuda_stream for streams in named.values() for s in streams} | {current}
-    for _ in range(64):  # the pool wraps after 32: one of them is free
-        stream = torch.cuda.Stream(device)
-        if stream.cuda_stream not in taken:
-            named.setdefault(name, []).append(stream)
-            return stream
-    raise RuntimeError(f"no CUDA stream distinct from {len(taken)} in use for side stream {name!r}")
-
-
-def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False):
-    """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables /
-    cp.reverse_warmup_tables are its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32,
-    reverse) with reverse = (rend, rfallback) [S, Hv] int32 for the backward (bidi), else None."""
-    dev = t["device"]
-    N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
-    S = cp.max_segments(T, N, L)
-    i32 = dict(device=dev, dtype=torch.int32)
-    seg = cp.Segments(L=L, count=S, cu=_empty(S + 1, **i32), slot=_empty(S + 1, **i32), base=_empty(N + 1, **i32),
-                      last=_empty(N, **i32))
-    start, fallback = _empty(S, Hv, **i32), _empty(S, Hv, **i32)
-    rend, rfallback = (_empty(S, Hv, **i32), _empty(S, Hv, **i32)) if bidi else (start, fallback)
-    _launch("gdn_cp_plan", {"tile": 1024}, dev,
-            {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY,
-             "bidi": int(bidi)},
-            {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),
-             "gam_t": t["gam_t"].data_ptr(), "bkk_max": t["bkk_max"].data_ptr(), "seg_cu": seg.cu.data_ptr(),
-             "seg_slot": seg.slot.data_ptr(), "seg_base": seg.base.data_ptr(), "seg_last": seg.last.data_ptr(),
-             "start": start.data_ptr(), "fallback": fallback.data_ptr(), "rend": rend.data_ptr(),
-             "rfallback": rfallback.data_ptr()}, stream)
-    return seg, start, fallback, ((rend, rfallback) if bidi else None)
-
-
-def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream,
-                     bidi: bool = False, after_tables=None):
-    """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
-    decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
-    [S, Hv, K, V] fp32, reverse), h_in[s] the state entering segment s, reverse the backward's warm-up tables
-    (bidi) or None."""
-    seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi)
-    if after_tables is not None:
-        after_tables(seg, reverse)
-    pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
-               fallback=fallback.data_ptr())
-    h_in = cp_pre_pass_and_combine(OUT_KERNEL, problem, tag, seg, fallback, dict(sizes, use_h0=0, store_ht=1), pre,
-                                   "ht", t["h0"], False, stream, (start,))
-    return seg, h_in, reverse
-
-
-def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
-                            pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
-                            keep=(), side_name: str = "side") -> torch.Tensor:
-    """The CP pre-pass of a chain kernel (gdn_fwd_st for the forward, gdn_bwd_dh for the backward: its "state"
-    build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
-    gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
-    pointer its CP builds store to; boundary: h0 (forward) or dht (backward), or None for zeros. Returns
-    [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it. side_name: the
-    transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own)."""
-    dev = seg.cu.device
-    Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
-    # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
-    # fallback segments in place
-    out = _empty(S, Hv, K, V, device=dev, dtype=torch.float32)
-    m = _empty(S, Hv, K, K, device=dev, dtype=torch.float32)
-    seg_sizes = dict(sizes, N=S)
-    # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
-    # (fork / join by events, so a CUDA graph captures them as parallel branches)
-    main, side = torch.cuda.current_stream(dev), _side_stream(dev, side_name)
-    side.wait_stream(main)
-    _launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
-            dict(pre, **{out_key: out.data_ptr()}), stream)
-    _launch(kernel, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
-            dict(pre, **{out_key: m.data_ptr()}), side.cuda_stream)
-    main.wait_stream(side)
-    for buf in (m, fallback, seg.cu, seg.slot, *keep):
-        buf.record_stream(side)
-    _launch("gdn_cp_combine", {"K": K, "V": V}, dev,
-            {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse)},
-            {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
-             "h0": (boundary if boundary is not None else out).data_ptr(), "h_in": out.data_ptr()}, stream)
-    return out
-
-
-def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
-                stream) -> torch.Tensor:
-    """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd_st
-    over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
-    dev = t["device"]
-    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
-    seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
-    S = seg.count
-    ht_seg = _empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
-    bv = _block_v(problem, tag, dev, chains_per_head=S)
-    _launch(OUT_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
-            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
-            dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
-                 ht=ht_seg.data_ptr()), stream)
-    if not output_final_state:
-        return t["ht"]
-    return per_sequence(ht_seg, seg.last, seg, t["h0"])  # a zero-length sequence keeps its initial state
-
-
-def per_sequence(states: torch.Tensor, segment: torch.Tensor, seg: "cp.Segments",
-                 boundary: Optional[torch.Tensor]) -> torch.Tensor:
-    """[S, ...] per-segment states -> [N, ...]: sequence n's is states[segment[n]] (its last segment's final state,
-    its first segment's dh0); a sequence with no segment (zero length) passes boundary (h0 / dht, or 0) through."""
-    picked = states.index_select(0, segment.clamp(0, seg.count - 1))
-    through = boundary if boundary is not None else torch.zeros_like(picked)
-    return torch.where((seg.last < 0)[:, None, None, None], through, picked)
-
-
-def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:
-    """Chunk-local cumsum of g [T, Hv] on the device (float64 running sum, no host sync) -> [B, T, Hv] fp32."""
-    T = g_packed.shape[0]
-    _, local = token_positions(cu, T)
-    t = torch.arange(T, device=cu.device)
-    start = t - local % CHUNK  # the token's chunk start
-    cs = torch.cat([g_packed.new_zeros(1, g_packed.shape[1], dtype=torch.float64),
-                    torch.cumsum(g_packed.double(), dim=0)])
-    return (cs[t + 1] - cs[start]).float().unflatten(0, shape)
+    return plans.call(key, inputs, dev, current_stream(dev), record)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -467,8 +116,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
-        o, ht, _, _ = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                              use_qk_l2norm)
+        o, ht, _, _ = run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                  use_qk_l2norm)
         ctx.problem, ctx.cu_seqlens, ctx.use_qk_l2norm = problem, cu_seqlens, use_qk_l2norm
         ctx.has_h0 = initial_state is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
@@ -478,41 +127,40 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from .backward import backward
         q, k, v, g, beta, h0 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, dbeta, dh0 = backward(ctx.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
-                                              ctx.cu_seqlens, ctx.use_qk_l2norm, do, dht)
+        dq, dk, dv, dg, dbeta, dh0 = run_backward(ctx.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
+                                                  ctx.cu_seqlens, ctx.use_qk_l2norm, do, dht)
         return None, dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                            use_qk_l2norm_in_kernel):
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                              g.requires_grad or beta.requires_grad or
+                                              (initial_state is not None and initial_state.requires_grad))
     if needs_grad:
         return _ChunkGatedDeltaRule.apply(problem, q, k, v, g, beta, initial_state, output_final_state,
                                           cu_seqlens, use_qk_l2norm_in_kernel)
-    o, ht, _, _ = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                          use_qk_l2norm_in_kernel)
+    o, ht, _, _ = run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                              use_qk_l2norm_in_kernel)
     return o, (ht if output_final_state else None)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
-    o, ht, A, (cu, _) = forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                                use_qk_l2norm_in_kernel, want_gate_free_inverse=True)
-    g_cumsum = chunk_local_cumsum(_packed(g), cu, (problem.batch, problem.tokens))
+    o, ht, A, cu = run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                               use_qk_l2norm_in_kernel, want_gate_free_inverse=True)
+    g_cumsum = chunk_local_cumsum(packed(g), cu, (problem.batch, problem.tokens))
     return g_cumsum, A, o, None, (ht if output_final_state else None)
 
 
 def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
                                use_qk_l2norm_in_kernel):
     """FlashQLA's low-level backward. ``A`` (the forward's gate-free inverse, checked by the API; None: solved
-    again) is read by the recompute pass instead of solved, as FlashQLA's backward reads it."""
-    from .backward import backward
-    # g_cumsum goes to gdn_prepare as it is (no torch pass back to the raw g: ~6 small launches)
-    dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g_cumsum, beta, initial_state, cu_seqlens,
-                                          use_qk_l2norm_in_kernel, do, dht, A, g_is_cumsum=True)
+    again) is read by the recompute pass instead of solved, as FlashQLA's backward reads it; g_cumsum goes to
+    gdn_prepare as it is."""
+    dq, dk, dv, dg, dbeta, dh0 = run_backward(problem, q, k, v, g_cumsum, beta, initial_state, cu_seqlens,
+                                              use_qk_l2norm_in_kernel, do, dht, A, g_is_cumsum=True)
     return dq, dk, dv, dbeta, dg, dh0

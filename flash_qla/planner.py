@@ -6,13 +6,13 @@ is about waves * chain time, waves = ceil(chains / SMs). A narrower block gives 
 make a chain proportionally shorter (the per-chunk latency chain of GEMMs stays), so narrow only when that
 adds no wave; ties go to the wider block (less redundant work).
 Chain costs (relative per-chunk time of one chain, H200, CUDA graphs):
-  OUT_CHAIN_COST     gdn_fwd_st (state in registers; one consumer warpgroup per 64 columns), plain forward minus
-                     gdn_prepare (scripts/kernel_experiment.py, after the bank-conflict fixes): one wave either
+  OUT_CHAIN_COST     gdn_fwd_chain (state in registers; one consumer warpgroup per 64 columns), plain forward minus
+                     gdn_prepare (after the bank-conflict fixes): one wave either
                      way, BV = 128 costs 1.37-1.39x BV = 64 (TP8 1x32768 0.85 vs 1.16 ms, TP8 1x8192 0.21 vs 0.30,
                      TP2 1x8192 0.22 vs 0.30, TP8 1x2048 0.060 vs 0.083); TP1 4096x8 BV = 128 (4 waves) 0.65 ms
                      vs BV = 64 (8 waves) 0.85. (Was 1.25 before them; no matrix row's plan changes.)
-  STAGED_CHAIN_COST  chains that stage through shared memory (gdn_fwd's save build, gdn_bwd_dh), measured
-                     on gdn_fwd's former out build: BV = 32 0.86 of BV = 64 (TP8 1x32768: 2.82 -> 2.44 ms in
+  STAGED_CHAIN_COST  chains that stage through shared memory (gdn_bwd_recompute's save build, gdn_bwd_dh), measured
+                     on gdn_bwd_recompute's former out build: BV = 32 0.86 of BV = 64 (TP8 1x32768: 2.82 -> 2.44 ms in
                      total), BV = 128 2.06 (TP1 4096x8: 3.74 ms at 8 waves of 64 vs 3.82 ms at 4 of 128).
 """
 from __future__ import annotations
@@ -68,12 +68,12 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
     return min(reversed(candidates), key=cost)  # ties: the most heads per CTA
 
 
-# The plain forward's two paths (flash_qla/ops.py): gdn_prepare + gdn_fwd_st, or gdn_fwd_fused alone. Measured on the
-# H200 (K = V = 128, bf16; bench/results/experiments/fwd_fused_aux_warpgroup_h200.md):
+# The plain forward's two paths (flash_qla/forward.py): gdn_prepare + gdn_fwd_chain, or gdn_fwd_fused alone. Measured on the
+# H200 (K = V = 128, bf16):
 # gdn_fwd_fused: one chain's 64-token chunk by V block (BV = 64: its aux warpgroup sets the pace; BV = 128: two
 # consumer warpgroups share the SM's tensor cores and issue slots with the aux, TP8 1x32768 CP off 1.76 ms / 512)
 FUSED_CHUNK_US = {64: 2.35, 128: 3.44}
-SPLIT_CHUNK_US = 1.70    # gdn_fwd_st at BV = 64 (times OUT_CHAIN_COST for its other blocks)
+SPLIT_CHUNK_US = 1.70    # gdn_fwd_chain at BV = 64 (times OUT_CHAIN_COST for its other blocks)
 PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM (an hpc-head CTA: PREPARE_SHARED_COST +
                          # hpc * PREPARE_HEAD_COST times that, as plan_heads_per_cta weighs it)
 PREPARE_MIN_US = 10.0    # a launch's floor
@@ -102,8 +102,8 @@ def _fused_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num
 # only the token and sequence counts). Its CTAs do not run in waves: gdn_plan dispatches the longest sequences first
 # and the short chains fill in behind, so a chain kernel takes about the longest chain or all the work spread over
 # the SMs, whichever is longer (_chain_us). The longest chain is taken as IRREGULAR_SKEW times the mean: the
-# matrix's batches have 2.4x and 3.1x (32k_8seq, 8k_8seq). Measured on the H200 (gdn_bwd_dh,
-# bench/results/experiments/chain_overlap_h200.jsonl): hk4_hv8 8k_8seq and 32k_8seq (64 chains) run 15% and 9%
+# matrix's batches have 2.4x and 3.1x (32k_8seq, 8k_8seq). Measured on the H200 (gdn_bwd_dh):
+# hk4_hv8 8k_8seq and 32k_8seq (64 chains) run 15% and 9%
 # faster in the whole backward at BV = 32 (256 CTAs, "two waves") than at 64; hk16_hv32's (256 chains) stay at 64,
 # as this model says.
 IRREGULAR_SKEW = 2.0
@@ -133,9 +133,9 @@ def plan_fused_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v:
 @functools.lru_cache(maxsize=4096)
 def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, split_bv: int,
                  heads_per_cta: int, l2norm: bool = False, fused_bv: int = 64) -> bool:
-    """Whether gdn_fwd_fused at V block fused_bv (no materialised Agb / P, but slower chunks than gdn_fwd_st)
-    beats gdn_prepare + gdn_fwd_st at V block split_bv. It wins where the prepare pass weighs most: one wave of
-    chains with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_st must take BV = 128."""
+    """Whether gdn_fwd_fused at V block fused_bv (no materialised Agb / P, but slower chunks than gdn_fwd_chain)
+    beats gdn_prepare + gdn_fwd_chain at V block split_bv. It wins where the prepare pass weighs most: one wave of
+    chains with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_chain must take BV = 128."""
     chunks = tokens / 64  # of the packed batch, per head
     chains = num_seqs * num_v_heads
     fused = _fused_us(tokens, num_seqs, num_v_heads, head_dim_v, num_sms, fused_bv, l2norm)

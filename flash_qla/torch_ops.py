@@ -1,6 +1,6 @@
 """The kernel path as torch.library custom ops, so torch.compile treats it as one opaque, differentiable op.
 
-`flash_qla::chunk_gdr_fwd` and `flash_qla::chunk_gdr_bwd` wrap flash_qla.ops.forward and flash_qla.backward with
+`flash_qla::chunk_gdr_fwd` and `flash_qla::chunk_gdr_bwd` wrap flash_qla.ops.run_forward and run_backward with
 fake (meta) implementations for tracing and an autograd formula; the public API routes through them only while
 torch.compile is tracing (`torch.compiler.is_compiling()`), so eager calls keep the direct path and its lower
 host cost. Outputs that do not exist (no final state, no initial state) are empty tensors here, as custom ops
@@ -25,9 +25,9 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                   output_final_state: bool, use_qk_l2norm: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    o, ht, _, _ = ops.forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                              use_qk_l2norm)
-    return o, ht
+    o, ht, _, _ = ops.run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                  use_qk_l2norm)
+    return o, (ht if output_final_state else o.new_empty(0))
 
 
 @chunk_gdr_fwd.register_fake
@@ -43,10 +43,9 @@ def chunk_gdr_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                   use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor]
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .backward import backward
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    dq, dk, dv, dg, dbeta, dh0 = backward(problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm,
-                                          do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = ops.run_backward(problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm,
+                                                  do, dht)
     return dq, dk, dv, dg, dbeta, (dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 

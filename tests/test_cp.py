@@ -1,6 +1,6 @@
 """Intra-card CP on the CPU: the planner, the device-side segment and warm-up tables, and the whole CP
 algebra (warm-up truncation, exact fallback, serial combine) in float64 against the token recurrence.
-The kernels themselves (gdn_fwd's state/trans builds, gdn_cp_combine) are checked on the GPU."""
+The kernels themselves (gdn_bwd_recompute's state/trans builds, gdn_cp_combine) are checked on the GPU."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from flash_qla.chunk_grads import CHUNK, slot_map, to_slots
 from flash_qla.reference import recurrent_gated_delta_rule
 from gdn_inputs import hard_inputs, random_cu_seqlens
 
-BLOCKS = [64, 128]  # the output kernel's (gdn_fwd_st)
+BLOCKS = [64, 128]  # the output kernel's (gdn_fwd_chain)
 
 
 @pytest.mark.parametrize("tokens,n,hv,want_cp", [
@@ -47,7 +47,7 @@ def test_eager_planner(tokens, n, hv, want_cp):
 
 
 @pytest.mark.parametrize("tokens,n,hv,want", [
-    # H200, the save chain beside the dh chain (bench/results/experiments/cp_backward_sweep_beside_h200.jsonl): the
+    # H200, the save chain beside the dh chain: the
     # measured-best L of each shape
     (32768, 1, 32, None),     # hk16_hv32 32k_1seq: 3.14 ms without CP, 3.43 at L = 128 (the in-order fit's pick)
     (65536, 1, 32, None),     # 6.29 ms without CP, 6.73 at L = 256
@@ -63,7 +63,7 @@ def test_eager_planner(tokens, n, hv, want_cp):
     (32768, 8, 32, None),     # eight sequences fill the GPU
 ])
 def test_backward_planner(tokens, n, hv, want):
-    """The backward's recompute plans its segments with both chains' costs (flash_qla/ops._segment_chunks)."""
+    """The backward's recompute plans its segments with both chains' costs (flash_qla/fwd._segment_chunks)."""
     from flash_qla.planner import STAGED_CHAIN_COST
     L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, (32, 64), chain_costs=STAGED_CHAIN_COST,
                                **cp.BACKWARD_PLAN)

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import cp, ops, reference
+from flash_qla import launch, reference
+from flash_qla import forward as fwd
+from flash_qla.tuning import settings
 from test_gpu_forward import LENGTHS, draw
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +20,7 @@ def dh_variants():
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(settings, "poison_outputs", True)
 
 
 def cotangents(x, seed):
@@ -62,7 +64,7 @@ def check(got, want, tol, label):
 @pytest.mark.parametrize("variant", dh_variants())
 def test_backward_matches_fp64_autograd(variant, case, monkeypatch):
     tag, K, V, BV = variant
-    monkeypatch.setattr(ops, "FORCE_BLOCK_V", BV)
+    monkeypatch.setattr(settings, "force_block_v", BV)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     for (hq, hv), h0, use_dht in (((2, 6), True, True), ((3, 3), False, False)):
         x = draw(LENGTHS[case], hq, hv, K, V, dtype, seed=K + V + hv + len(case) + 5, h0=h0)
@@ -88,17 +90,17 @@ def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
     x = draw(LENGTHS["long"] + [700, 0, 1, 65], 2, 8, 128, 128, dtype, seed=29)
     do, dht = cotangents(x, seed=4)
     want = grads(x, do, dht, fp64=True)
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 4)
+    monkeypatch.setattr(settings, "force_segment_chunks", 4)
     passes = []
-    real = ops.cp_pre_pass_and_combine
-    monkeypatch.setattr(ops, "cp_pre_pass_and_combine",
+    real = fwd.cp_pre_pass_and_combine
+    monkeypatch.setattr(fwd, "cp_pre_pass_and_combine",
                         lambda kernel, *a, **kw: passes.append(kernel) or real(kernel, *a, **kw))
     got_cp = grads(x, do, dht)
     # the forward's; then the backward's reverse pre-pass, launched as soon as the recompute's tables are, before the
     # recompute's own
-    assert passes == ["gdn_fwd_st", "gdn_bwd_dh", "gdn_fwd_st"]
+    assert passes == ["gdn_fwd_chain", "gdn_bwd_dh", "gdn_fwd_chain"]
     check(got_cp, want, TOL, f"CP recompute {tag}")
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
     got_plain = grads(x, do, dht)
     check(got_cp, got_plain, TOL / 2, f"CP vs plain recompute {tag}")
 
@@ -142,7 +144,7 @@ def test_fused_l2norm_backward_on_unnormalised_rows(variant):
 
 @pytest.mark.parametrize("segment_chunks", [None, 3])  # planned (no CP here), CP forced in both directions
 def test_backward_hundred_repeats_bit_identical(segment_chunks, monkeypatch):
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)
+    monkeypatch.setattr(settings, "force_segment_chunks", segment_chunks)
     x = draw(LENGTHS["mixed"] + [2048], 2, 8, 128, 128, torch.bfloat16, seed=25)
     do, dht = cotangents(x, seed=3)
     first = grads(x, do, dht)
@@ -173,7 +175,7 @@ def test_low_level_bwd_reads_the_forwards_inverse(segment_chunks, monkeypatch):
     """Given A, the recompute reads it instead of solving: gradients within tolerance of fp64 and close to the
     solving path (Agb from A's rounded values instead of the solve's fp32), with and without CP; a different A
     changes them (it is really read)."""
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)
+    monkeypatch.setattr(settings, "force_segment_chunks", segment_chunks)
     x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, 128, 128, torch.bfloat16, seed=31)
     do, dht = cotangents(x, seed=6)
     g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x)
@@ -219,11 +221,11 @@ def test_chunk_stage_is_the_same_with_several_items_per_cta(K, V, dtype, monkeyp
     x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, K, V, dtype, seed=37)
     do, dht = cotangents(x, seed=7)
     problem, saved, stage = chunk_stage_inputs(x, do, dht)
-    items = saved["TC"] // ops.CHUNK * problem.num_qk_heads
+    items = saved["TC"] // launch.CHUNK * problem.num_qk_heads
     assert items > 7 * 4
     one_each = [t.clone() for t in backward._chunk_kernel(problem, saved, *stage)]
     for ctas in (1, 2, 3, 7):
-        monkeypatch.setattr(backward, "CHUNK_CTAS_MAX", ctas)
+        monkeypatch.setattr(settings, "chunk_ctas_max", ctas)
         got = backward._chunk_kernel(problem, saved, *stage)
         assert all(torch.equal(a, b) for a, b in zip(got, one_each)), ctas
 
@@ -233,7 +235,7 @@ def test_non_contiguous_v_and_h0_match_contiguous(segment_chunks, monkeypatch):
     """v and h0 with transposed strides: the forward packs them into copies that only the recompute's save chain
     reads, on its side stream (ops keeps them from reuse until that stream is done). Same gradients, bit for bit,
     as the contiguous inputs, with and without intra-card CP."""
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", segment_chunks)
+    monkeypatch.setattr(settings, "force_segment_chunks", segment_chunks)
     x = draw(LENGTHS["mixed"], 2, 4, 128, 128, torch.bfloat16, seed=31)
     do, dht = cotangents(x, seed=6)
     want = grads(x, do, dht)
@@ -253,7 +255,7 @@ def test_side_streams_differ_from_the_callers_and_each_other():
         caller = torch.cuda.Stream(dev)
         for current in (caller, torch.cuda.default_stream(dev)):
             with torch.cuda.stream(current):
-                picked = [ops._side_stream(dev, n) for n in names]
+                picked = [launch.side_stream(dev, n) for n in names]
             handles = {s.cuda_stream for s in picked}
             assert current.cuda_stream not in handles
             assert len(handles) == len(names)

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import cp, ops, reference
+from flash_qla import cp, launch, reference
+from flash_qla import forward as fwd
+from flash_qla.tuning import settings
 from test_gpu_forward import TOL, draw, fp64_reference
 
 pytestmark = pytest.mark.gpu
@@ -15,11 +17,11 @@ LENGTHS = [1, 63, 64, 65, 130, 700, 0, 333]
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(settings, "poison_outputs", True)
 
 
 def cp_variants():
-    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants(ops.OUT_KERNEL)
+    return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants(launch.CHAIN_KERNEL)
                    if v["mode"] == "state"})
 
 
@@ -27,7 +29,7 @@ def cp_variants():
 @pytest.mark.parametrize("variant", cp_variants())
 def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
     tag, K, V = variant
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", L)
+    monkeypatch.setattr(settings, "force_segment_chunks", L)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     for (hq, hv), h0 in (((2, 6), True), ((3, 3), False)):
         x = draw(LENGTHS, hq, hv, K, V, dtype, seed=K + V + hv + L, h0=h0)
@@ -41,7 +43,7 @@ def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
 
 
 def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(settings, "force_segment_chunks", 2)
     x = draw(LENGTHS, 2, 6, 128, 128, torch.bfloat16, seed=3)
     o0, ht0 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     for _ in range(100):
@@ -49,9 +51,10 @@ def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-def test_planned_cp_on_a_benchmark_shape_under_graph_capture(monkeypatch):
-    """TP8 1x8192 with the benchmark's distribution: an eager call takes the plain path, a captured call plans
-    CP (side-stream fork/join inside the graph), and the replay meets the tolerance and agrees with the plain path."""
+def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypatch):
+    """TP8 1x8192 with the benchmark's distribution: CP is planned by device time alone, so an eager call (whose
+    plan is replayed with one launcher crossing) and a captured one (side-stream fork / join inside the graph) take
+    the same segments, give bit-identical results, meet the tolerance and agree with the plain path."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     T, hq, hv, D = 8192, 2, 8, 128
     q = torch.nn.functional.normalize(torch.randn(1, T, hq, D, device="cuda", generator=gen), dim=-1).bfloat16()
@@ -64,11 +67,12 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture(monkeypatch):
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     x = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
     problem = flash_qla.validation.validate_inputs(q, k, v, g, beta, None, h0, cu)
-    # eager: CP's ~0.3 ms of host work exceeds its gain on this shape (cp.EAGER_HOST_COST), so the plain path
-    assert ops._segment_chunks(problem, "bf16", q.device) is None
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)  # the plain path, for comparison
+    planned = fwd._segment_chunks(problem, "bf16", q.device)
+    assert planned is not None
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)  # the plain path, for comparison
     o_plain, ht_plain = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", None)
+    monkeypatch.setattr(settings, "force_segment_chunks", None)
+    eager = [flash_qla.chunk_gated_delta_rule(**x, output_final_state=True) for _ in range(3)]  # recorded, replayed
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -76,11 +80,12 @@ def test_planned_cp_on_a_benchmark_shape_under_graph_capture(monkeypatch):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        planned = ops._segment_chunks(problem, "bf16", q.device)
+        assert fwd._segment_chunks(problem, "bf16", q.device) == planned
         o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    assert planned is not None
     graph.replay()
     torch.cuda.synchronize()
+    for o_e, ht_e in eager:
+        assert torch.equal(o_e, o) and torch.equal(ht_e, ht)
     o_ref, ht_ref = fp64_reference(x)
     assert reference.relative_l2(o, o_ref) <= 1e-2 and reference.relative_l2(ht, ht_ref) <= 1e-2
     # CP and the plain path agree far inside the tolerance (bf16 rounding of different chains)
@@ -98,14 +103,14 @@ def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
         x["k"] = x["k"] * 1.6  # beta |k|^2 up to 2.56: some chunks void the warm-up bound
     x["g"] = x["g"] / 8
     captured = {}
-    real = ops._cp_tables
+    real = fwd._cp_tables
 
     def spy(problem, L_, TC, t, stream, bidi=False):
         captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream, bidi), problem=problem)
         return captured["out"]
 
-    monkeypatch.setattr(ops, "_cp_tables", spy)
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", L)
+    monkeypatch.setattr(fwd, "_cp_tables", spy)
+    monkeypatch.setattr(settings, "force_segment_chunks", L)
     flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     seg, start, fallback, _ = captured["out"]
     t = captured["t"]

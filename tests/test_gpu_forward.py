@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import cp, ops, reference
+from flash_qla import launch, reference
+from flash_qla import forward as fwd
+from flash_qla.tuning import settings
 from flash_qla.validation import validate_inputs
 
 pytestmark = pytest.mark.gpu
@@ -45,17 +47,17 @@ def fp64_reference(x):
 
 def variants():
     """Every build of the output pass."""
-    return sorted({(v["dtype"], v["K"], v["V"], v["BV"]) for v in flash_qla.loader.library().variants(ops.OUT_KERNEL)
+    return sorted({(v["dtype"], v["K"], v["V"], v["BV"]) for v in flash_qla.loader.library().variants(launch.CHAIN_KERNEL)
                    if v["mode"] == "out"})
 
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(cp, "FORCE_SEGMENT_CHUNKS", 0)  # the plain path; tests/test_gpu_cp.py covers CP
+    monkeypatch.setattr(settings, "poison_outputs", True)
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)  # the plain path; tests/test_gpu_cp.py covers CP
 
 
-# the plain forward's two paths: gdn_fwd_fused alone, or gdn_prepare + gdn_fwd_st (what CP, l2norm and the
+# the plain forward's two paths: gdn_fwd_fused alone, or gdn_prepare + gdn_fwd_chain (what CP, l2norm and the
 # backward's recompute build on)
 PATHS = {"fused": True, "split": False}
 # the fused path's builds (V block 64: one consumer warpgroup; 128: two, the bf16 state in shared memory) and
@@ -64,14 +66,16 @@ PATH_BLOCKS = [("fused", 64), ("fused", 128), ("split", None)]
 
 
 def pin_path(monkeypatch, path, block_v):
-    monkeypatch.setattr(ops, "USE_FUSED", PATHS[path])
-    monkeypatch.setattr(ops, "FORCE_BLOCK_V", block_v)
+    monkeypatch.setattr(settings, "use_fused", PATHS[path])
+    monkeypatch.setattr(settings, "force_block_v", block_v)
 
 
 def launched_kernels(monkeypatch) -> list:
+    """The kernels each call launches, seen from Python: plans are not replayed while it watches."""
     names = []
-    real = ops._launch
-    monkeypatch.setattr(ops, "_launch", lambda name, *a, **kw: names.append(name) or real(name, *a, **kw))
+    real = launch.launch
+    monkeypatch.setattr(settings, "replay", False)
+    monkeypatch.setattr(fwd, "launch", lambda name, *a, **kw: names.append(name) or real(name, *a, **kw))
     return names
 
 
@@ -91,9 +95,9 @@ def test_forward_matches_fp64_reference(variant, case, path, monkeypatch):
         o_ref, ht_ref = fp64_reference(x)
         assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, "o")
         assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], (hq, hv, "final_state")
-    chain = [n for n in kernels if n in (ops.FUSED_KERNEL, ops.OUT_KERNEL)]
-    assert chain == [ops.FUSED_KERNEL if PATHS[path] else ops.OUT_KERNEL] * 2, kernels
-    assert PATHS[path] == (kernels == [ops.FUSED_KERNEL] * 2), kernels  # the fused path launches nothing else
+    chain = [n for n in kernels if n in (launch.FUSED_KERNEL, launch.CHAIN_KERNEL)]
+    assert chain == [launch.FUSED_KERNEL if PATHS[path] else launch.CHAIN_KERNEL] * 2, kernels
+    assert PATHS[path] == (kernels == [launch.FUSED_KERNEL] * 2), kernels  # the fused path launches nothing else
 
 
 @pytest.mark.parametrize("tag", ["bf16", "fp16"])
@@ -109,8 +113,8 @@ def test_prepare_heads_per_cta_agree(tag, K, monkeypatch):
                                   cu_seqlens=x["cu_seqlens"])
         results = []
         for hpc in groups:
-            monkeypatch.setattr(ops, "FORCE_HEADS_PER_CTA", hpc)
-            o, ht, A, _ = ops.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], True,
+            monkeypatch.setattr(settings, "force_heads_per_cta", hpc)
+            o, ht, A, _ = fwd.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], True,
                                       x["cu_seqlens"], False, want_gate_free_inverse=True)
             assert torch.isfinite(o).all() and torch.isfinite(ht).all() and torch.isfinite(A).all(), hpc
             assert reference.relative_l2(o, o_ref) <= TOL[dtype], (hq, hv, hpc, "o")
@@ -203,11 +207,11 @@ def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum(monkeypatch):
     assert reference.relative_l2(g_cumsum, reference.chunk_local_cumsum(x["g"].double(), cu)) < 1e-6
     A_ref = reference.gate_free_inverse(x["k"].double(), x["beta"].double(), cu, num_v_heads=4)
     assert reference.relative_l2(A, A_ref) < 1e-2
-    monkeypatch.setattr(ops, "USE_FUSED", True)
+    monkeypatch.setattr(settings, "use_fused", True)
     o_fused, ht_fused = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     # the fused kernel rounds P once where gdn_prepare rounds scale * Q K^T first: close, not bit-identical
     assert reference.relative_l2(o_fused, o) < 2e-3 and reference.relative_l2(ht_fused, ht) < 2e-3
-    monkeypatch.setattr(ops, "USE_FUSED", False)
+    monkeypatch.setattr(settings, "use_fused", False)
     o2, ht2 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
 
@@ -222,7 +226,7 @@ def test_plan_kernel_chunk_offsets_and_order_match_torch():
             cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
             x = torch.zeros(1, 1, 1, 64, device="cuda").expand(1, int(cu[-1]), 1, 64)  # shapes only
             problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
-            _, offsets, order = ops._offsets(problem, cu, cu.device, want_order=True)
+            _, offsets, order = fwd._offsets(problem, cu, cu.device, want_order=True)
             counts = (lens + 63) // 64
             want = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
             assert torch.equal(offsets.cpu().long(), want), n

@@ -67,8 +67,8 @@ def test_plan_heads_per_cta(slots, hv, hq, want):
     (2048, 1, 16, 64, 1, False),      # 2B 1x2048
 ])
 def test_prefer_fused_on_the_standard_rows(tokens, n, hv, split_bv, hpc, want):
-    """gdn_fwd_fused at BV = 64 vs gdn_prepare + gdn_fwd_st, as measured on the H200 (the fused kernel's chunk is
-    ~1.4x gdn_fwd_st's at BV = 64, but it has no prepare pass)."""
+    """gdn_fwd_fused at BV = 64 vs gdn_prepare + gdn_fwd_chain, as measured on the H200 (the fused kernel's chunk is
+    ~1.4x gdn_fwd_chain's at BV = 64, but it has no prepare pass)."""
     assert prefer_fused(tokens, n, hv, 128, 132, split_bv, hpc) == want
 
 
@@ -104,20 +104,21 @@ def test_prefer_fused_with_l2norm(tokens, n, hv, split_bv, hpc, want):
 @pytest.mark.parametrize("hq,hv,tokens,want", [(4, 8, 8192, 32), (4, 8, 32768, 32), (16, 32, 8192, 64),
                                                 (16, 32, 32768, 64)])
 def test_backward_chains_plan_batches_for_unequal_chains(monkeypatch, hq, hv, tokens, want):
-    """Both backward chains (gdn_fwd's save build and gdn_bwd_dh) plan a batch's V block for unequal chains (H200: the
+    """Both backward chains (gdn_bwd_recompute's save build and gdn_bwd_dh) plan a batch's V block for unequal chains (H200: the
     save build at 32 on hk4_hv8 8k_8seq 0.345 -> 0.323 ms with the chains in order; beside each other, 32k_8seq at 32
     0.878 ms against 0.899 forced to 64)."""
     import torch
 
-    from flash_qla import ops
+    from flash_qla import forward as fwd
+    from flash_qla import launch
     from flash_qla.validation import Problem
-    monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fwd, "num_sms", lambda device: 132)
     problem = Problem(batch=1, tokens=tokens, num_qk_heads=hq, num_v_heads=hv, head_dim_k=128, head_dim_v=128,
                       num_seqs=8, scale=128 ** -0.5, varlen=True)
     cpu = torch.device("cpu")
-    assert ops._block_v(problem, "bf16", cpu, kernel=ops.FWD_KERNEL, mode="save") == want
-    assert ops._block_v(problem, "bf16", cpu, kernel="gdn_bwd_dh", mode="chain") == want
+    assert fwd._block_v(problem, "bf16", cpu, kernel=launch.RECOMPUTE_KERNEL, mode="save") == want
+    assert fwd._block_v(problem, "bf16", cpu, kernel="gdn_bwd_dh", mode="chain") == want
     single = Problem(batch=1, tokens=tokens, num_qk_heads=hq, num_v_heads=hv, head_dim_k=128, head_dim_v=128,
                      num_seqs=1, scale=128 ** -0.5, varlen=False)  # one sequence: equal chains, planned by waves
-    assert ops._block_v(single, "bf16", cpu, kernel=ops.FWD_KERNEL, mode="save") == plan_block_v(
+    assert fwd._block_v(single, "bf16", cpu, kernel=launch.RECOMPUTE_KERNEL, mode="save") == plan_block_v(
         1, hv, 128, [32, 64], 132, STAGED_CHAIN_COST)

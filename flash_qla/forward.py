@@ -1,0 +1,403 @@
+"""The forward of the kernel path: the launches that turn q, k, v, g, beta (and h0) into o (and the final state).
+
+Every call is one packed varlen problem (a dense batch B x T is B sequences of T tokens). The plain forward is
+either gdn_fwd_fused alone or three launches:
+  gdn_plan       chunk offsets of the packed batch (one scan),
+  gdn_prepare    per (chunk, v-heads): gamma, the gate-free inverse and Agb = Gamma * A * beta,
+                 P = scale * Gamma * tril(Q K^T), exp factors,
+  gdn_fwd_chain  per (sequence, v-head, V-block): the state recurrence and the output.
+With intra-card CP (flash_qla/cp.py) the chain runs over segments after a pre-pass and a combine. The backward's
+recompute (``saved``) runs gdn_bwd_recompute instead of the output chain. Nothing is read back to the host, so
+a call can be captured in a CUDA graph; flash_qla/plans.py records a call's launches once per signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from . import cp
+from .chunk_grads import token_positions
+from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
+                     dense, empty, join, launch, num_sms, packed, side_stream)
+from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_fused_block_v, plan_heads_per_cta,
+                      plan_irregular_block_v, prefer_fused)
+from .tuning import settings
+from .validation import Problem
+
+# the chain kernels whose V block a batch of several sequences plans by unequal chains (planner.py
+# plan_irregular_block_v), the others by equal waves: the recompute chain runs beside the dh chain in the backward,
+# where the narrower block fills the SMs (docs/performance.md)
+IRREGULAR_CHAIN_KERNELS = {"gdn_bwd_dh", RECOMPUTE_KERNEL}
+
+
+def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = CHAIN_KERNEL, mode: Optional[str] = "out",
+             chains_per_head: Optional[int] = None) -> int:
+    """The V block of a chain kernel (gdn_fwd_chain, gdn_bwd_recompute's save build, gdn_bwd_dh): planned from the built
+    blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
+    v-head."""
+    built = built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
+    if settings.force_block_v is not None and settings.force_block_v in built:
+        return settings.force_block_v
+    if chains_per_head is None and problem.num_seqs > 1 and kernel in IRREGULAR_CHAIN_KERNELS:
+        return plan_irregular_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                                      problem.head_dim_v, tuple(built), num_sms(device),
+                                      tuple(sorted(_chain_costs(kernel).items())))
+    seqs = problem.num_seqs if chains_per_head is None else chains_per_head
+    return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, num_sms(device), _chain_costs(kernel))
+
+
+def _chain_costs(kernel: str) -> dict:
+    """The per-chunk chain costs of a chain kernel by V block (flash_qla/planner.py): gdn_fwd_chain keeps the state
+    in registers, gdn_bwd_recompute's save build and gdn_bwd_dh stage it through shared memory."""
+    return OUT_CHAIN_COST if kernel == CHAIN_KERNEL else STAGED_CHAIN_COST
+
+
+def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
+    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py); save: for the backward's
+    recompute, whose segments run gdn_bwd_recompute's save build (staged chains, its own V blocks)."""
+    kernel, mode = (RECOMPUTE_KERNEL, "save") if save else (CHAIN_KERNEL, "out")
+    built = tuple(built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
+    return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                                  problem.head_dim_k, problem.head_dim_v, num_sms(device), built,
+                                  capturing=True, chain_costs=_chain_costs(kernel),
+                                  **(cp.BACKWARD_PLAN if save else {}))
+
+
+_DENSE_CU: dict = {}  # (batch, tokens, device index) -> the made-up cu_seqlens of a dense batch
+
+
+def device_cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], device) -> torch.Tensor:
+    """cu_seqlens as int32 on the device; a dense batch's is made up once per (B, T, device) and kept (made fresh
+    under CUDA-graph capture, whose pool must not leak into later calls)."""
+    if cu_seqlens is not None:
+        return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    key = (problem.batch, problem.tokens, device.index)
+    cu = _DENSE_CU.get(key)
+    if cu is None:
+        T = problem.tokens
+        cu = torch.arange(0, (problem.batch + 1) * T, max(T, 1), device=device, dtype=torch.int32)
+        if T == 0:
+            cu.zero_()
+        if torch.cuda.is_current_stream_capturing():
+            return cu
+        if len(_DENSE_CU) > 64:
+            _DENSE_CU.clear()
+        _DENSE_CU[key] = cu
+    return cu
+
+
+def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
+             stream=None, want_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int32, chunk_offsets int32, seq_order int32) on the device: one small planning kernel, no host
+    synchronisation. seq_order (with want_order; unwritten otherwise) lists the sequences longest first: the
+    backward's chain kernels' dispatch order."""
+    cu = cu_seqlens  # int32 on the device (device_cu_seqlens)
+    N = problem.num_seqs
+    plan = empty(2 * N + 1, device=cu.device, dtype=torch.int32)  # one allocation for both tables
+    offsets, order = plan[:N + 1], plan[N + 1:]
+    launch("gdn_plan", {"tile": 1024}, device, {"N": N, "want_order": int(want_order)},
+            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr()},
+            stream)
+    return cu, offsets, order
+
+
+def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
+    """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last chunk
+    (slots = ceil(T / 64) + N bounds the chunk count) are left as they are: no kernel reads them (gdn_bwd_chunk's
+    CTAs past the last chunk return at once), and the torch specification of the chunk stage zeroes its own copy
+    (backward._chunk_parallel). A memset there was a node on the backward's critical path."""
+    return empty(slots, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, device=device, dtype=dtype)
+
+
+def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+            want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
+            save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
+            g_is_cumsum: bool = False, after_cp_tables=None):
+    """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
+
+    With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_bwd_recompute runs and
+    the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
+    et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
+    build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
+    With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
+    with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so).
+    ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
+    launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own)."""
+    dev = q.device
+    dt = q.dtype
+    T = problem.batch * problem.tokens
+    Hv, K, V, N = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs
+    # the kernels take pointers: a contiguous [B, T, ...] tensor is already the packed [B*T, ...] layout, so the
+    # packed views are made only where tensors are kept (the backward's saved dict); views cost ~2 us each
+    qp, kp, vp, gp, bp = (dense(x) for x in (q, k, v, g, beta.float()))
+    cu_seqlens = device_cu_seqlens(problem, cu_seqlens, dev)
+    stream = current_stream(dev)
+    tag = DTYPE_TAG[dt]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    L = _segment_chunks(problem, tag, dev, save=saved is not None)
+    fused_bv = (_fused_block(problem, tag, dev, use_qk_l2norm)
+                if saved is None and L is None and not want_gate_free_inverse else None)
+    if fused_bv is not None:
+        o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
+                               fused_bv, stream)
+        return o, ht, None, (cu_seqlens, None)
+    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
+    agb, pqk = (empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
+    # gate_free_inverse: the caller's A (checked by the API), read by gdn_prepare instead of solved again
+    read_a = gate_free_inverse is not None
+    shape = (problem.batch, problem.tokens)
+    returned = saved is None  # o, the final state and A are the caller's; the recompute's are workspace
+    A = (packed(gate_free_inverse) if read_a else
+         empty(*shape, Hv, CHUNK, device=dev, dtype=dt, output="A" if returned else None) if want_gate_free_inverse
+         else None)
+    # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
+    # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
+    TC = (-(-T // CHUNK) + N) * CHUNK
+    # one allocation for the four fp32 tiles and the int32 slot table (eager calls are host-bound on small rows: each
+    # allocation costs ~3 us); slot_rows[s] = (first row, valid rows) of chunk slot s, for gdn_bwd_chunk
+    slots = TC // CHUNK
+    slot_rows_at = 3 * Hv * TC + Hv * slots  # elements before the slot table
+    tiles = empty(slot_rows_at + 2 * slots, device=dev, dtype=torch.float32)
+    tile_ptr = [tiles.data_ptr() + i * Hv * TC * 4 for i in range(4)]  # eg, et, gamma, bkk_max
+
+    def tile(i: int) -> torch.Tensor:  # tile i as a tensor (views cost ~2 us: made only where tensors are kept)
+        width = TC if i < 3 else TC // CHUNK
+        return tiles[i * Hv * TC:i * Hv * TC + Hv * width].view(Hv, width)
+    o = empty(*shape, Hv, V, device=dev, dtype=dt, output="o" if returned else None)
+    ht = (empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht" if returned else None)
+          if output_final_state and not (returned and L is not None) else o.new_empty(0))
+    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
+    hpc = _heads_per_cta(problem, dev)
+    # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
+    # recurrence kernels then read in place of q / k
+    qn, kn = ((empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
+              else (qp, kp))
+    # and each row's factor (|x|^2 + eps)^-1/2, head-major by chunk slot (as the gamma tiles), which gdn_bwd_chunk's
+    # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
+    # (without l2norm the kernels never read it: `tiles`, larger than its [2, Hq, TC], stands in as its address)
+    rn = empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
+    launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
+            dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
+                 g_is_cumsum=int(g_is_cumsum)),
+            {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
+             "rn": rn.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
+             "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
+             "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
+             "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
+             "slot_rows": tiles.data_ptr() + slot_rows_at * 4}, stream)
+    qp, kp = qn, kn
+    pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
+                "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
+                "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
+                "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr(),
+                "seq_order": order.data_ptr()}
+
+    def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
+        return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
+
+    if saved is None and L is not None:
+        ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
+    elif saved is None:
+        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
+        launch(CHAIN_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
+                pointers, stream)
+    else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
+        hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
+        w, vnew = (empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
+        pointers.update(hs=hs.data_ptr(), w=w.data_ptr(), vnew=vnew.data_ptr())
+        eg_t, et_t, gam_t = (tile(i) for i in range(3))
+        # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
+        saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
+                     eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
+                     sizes=sizes, tag=tag, order=order,
+                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn)
+        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
+        if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
+            seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,
+                                                  after_tables=after_cp_tables)
+            saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
+            pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
+            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0), seg.count
+        bv = _block_v(problem, tag, dev, kernel=RECOMPUTE_KERNEL, mode="save", chains_per_head=chains)
+        if save_stream is not None:
+            join(save_stream, torch.cuda.current_stream(dev))
+        launch(RECOMPUTE_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,
+                save_stream.cuda_stream if save_stream is not None else stream)
+        if save_stream is not None:  # v / h0 may be copies made here and h_in is CP's: only the launch holds them
+            for buf in (vp, h0, h_in if L is not None else None):
+                if buf is not None:
+                    buf.record_stream(save_stream)
+    A = A.view(*shape, Hv, CHUNK) if A is not None else None
+    return o, ht, A, (cu, offsets)
+
+
+def _fused_block(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> Optional[int]:
+    """gdn_fwd_fused's V block for this plain forward, or None for gdn_prepare + gdn_fwd_chain. The block is
+    settings.force_block_v when built, else planned (flash_qla/planner.py plan_fused_block_v) among the builds with this
+    l2norm flag; the path is pinned by settings.use_fused, else planned (prefer_fused at that block)."""
+    built = built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v, int(l2norm))
+    if settings.use_fused is False or not built:
+        return None
+    tokens, sms = problem.batch * problem.tokens, num_sms(device)
+    bv = (settings.force_block_v if settings.force_block_v is not None and settings.force_block_v in built else
+          plan_fused_block_v(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms, tuple(built),
+                             bool(l2norm)))
+    if settings.use_fused or prefer_fused(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms,
+                                 _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm), bv):
+        return bv
+    return None
+
+
+def _heads_per_cta(problem: Problem, device: torch.device) -> int:
+    """gdn_prepare's v-heads per CTA (flash_qla/planner.py), over its chunk slots ceil(T / 64) + N."""
+    slots = -(-(problem.batch * problem.tokens) // CHUNK) + problem.num_seqs
+    return settings.force_heads_per_cta or plan_heads_per_cta(slots, problem.num_v_heads, problem.num_qk_heads,
+                                                     num_sms(device))
+
+
+def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
+                   bv: int, stream):
+    """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
+    dev = q.device
+    T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
+                      problem.num_seqs)
+    o = empty(problem.batch, problem.tokens, Hv, V, device=dev, dtype=q.dtype, output="o")
+    ht = empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht") if output_final_state else o.new_empty(0)
+    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv}
+    launch(FUSED_KERNEL, variant, dev,
+            {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
+             "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},
+            {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
+             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
+             "ht": ht.data_ptr()}, stream)
+    return o, ht
+
+
+def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False):
+    """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables /
+    cp.reverse_warmup_tables are its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32,
+    reverse) with reverse = (rend, rfallback) [S, Hv] int32 for the backward (bidi), else None."""
+    dev = t["device"]
+    N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
+    S = cp.max_segments(T, N, L)
+    i32 = dict(device=dev, dtype=torch.int32)
+    seg = cp.Segments(L=L, count=S, cu=empty(S + 1, **i32), slot=empty(S + 1, **i32), base=empty(N + 1, **i32),
+                      last=empty(N, **i32))
+    start, fallback = empty(S, Hv, **i32), empty(S, Hv, **i32)
+    rend, rfallback = (empty(S, Hv, **i32), empty(S, Hv, **i32)) if bidi else (start, fallback)
+    launch("gdn_cp_plan", {"tile": 1024}, dev,
+            {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY,
+             "bidi": int(bidi)},
+            {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),
+             "gam_t": t["gam_t"].data_ptr(), "bkk_max": t["bkk_max"].data_ptr(), "seg_cu": seg.cu.data_ptr(),
+             "seg_slot": seg.slot.data_ptr(), "seg_base": seg.base.data_ptr(), "seg_last": seg.last.data_ptr(),
+             "start": start.data_ptr(), "fallback": fallback.data_ptr(), "rend": rend.data_ptr(),
+             "rfallback": rfallback.data_ptr()}, stream)
+    return seg, start, fallback, ((rend, rfallback) if bidi else None)
+
+
+def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream,
+                     bidi: bool = False, after_tables=None):
+    """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
+    decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
+    [S, Hv, K, V] fp32, reverse), h_in[s] the state entering segment s, reverse the backward's warm-up tables
+    (bidi) or None."""
+    seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi)
+    if after_tables is not None:
+        after_tables(seg, reverse)
+    pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
+               fallback=fallback.data_ptr())
+    h_in = cp_pre_pass_and_combine(CHAIN_KERNEL, problem, tag, seg, fallback, dict(sizes, use_h0=0, store_ht=1), pre,
+                                   "ht", t["h0"], False, stream, (start,))
+    return seg, h_in, reverse
+
+
+def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
+                            pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
+                            keep=(), side_name: str = "side") -> torch.Tensor:
+    """The CP pre-pass of a chain kernel (gdn_fwd_chain for the forward, gdn_bwd_dh for the backward: its "state"
+    build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
+    gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
+    pointer its CP builds store to; boundary: h0 (forward) or dht (backward), or None for zeros. Returns
+    [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it. side_name: the
+    transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own)."""
+    dev = seg.cu.device
+    Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
+    # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
+    # fallback segments in place
+    out = empty(S, Hv, K, V, device=dev, dtype=torch.float32)
+    m = empty(S, Hv, K, K, device=dev, dtype=torch.float32)
+    seg_sizes = dict(sizes, N=S)
+    # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
+    # (fork / join by events, so a CUDA graph captures them as parallel branches)
+    main, side = torch.cuda.current_stream(dev), side_stream(dev, side_name)
+    join(side, main)
+    launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
+            dict(pre, **{out_key: out.data_ptr()}), stream)
+    launch(kernel, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
+            dict(pre, **{out_key: m.data_ptr()}), side.cuda_stream)
+    join(main, side)
+    for buf in (m, fallback, seg.cu, seg.slot, *keep):
+        buf.record_stream(side)
+    launch("gdn_cp_combine", {"K": K, "V": V}, dev,
+            {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse)},
+            {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
+             "h0": (boundary if boundary is not None else out).data_ptr(), "h_in": out.data_ptr()}, stream)
+    return out
+
+
+def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
+                stream) -> torch.Tensor:
+    """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd_chain
+    over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
+    dev = t["device"]
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
+    S = seg.count
+    ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
+    bv = _block_v(problem, tag, dev, chains_per_head=S)
+    launch(CHAIN_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
+            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
+            dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
+                 ht=ht_seg.data_ptr()), stream)
+    if not output_final_state:
+        return t["ht"]
+    # a zero-length sequence keeps its initial state
+    return SegmentStates(ht_seg, seg.last, seg.last, t["h0"], S)
+
+
+@dataclass
+class SegmentStates:
+    """Per-segment states and what picks each sequence's (per_sequence): kept as tensors so that a replayed plan
+    (flash_qla/plans.py) picks them again from its own buffers."""
+    states: torch.Tensor
+    segment: torch.Tensor
+    last: torch.Tensor
+    boundary: Optional[torch.Tensor]
+    count: int
+
+    def tensors(self) -> tuple:
+        return self.states, self.segment, self.last, self.boundary
+
+
+def per_sequence(states: torch.Tensor, segment: torch.Tensor, last: torch.Tensor, boundary: Optional[torch.Tensor],
+                 count: int) -> torch.Tensor:
+    """[S, ...] per-segment states -> [N, ...]: sequence n's is states[segment[n]] (its last segment's final state,
+    its first segment's dh0); a sequence with no segment (last[n] < 0: zero length) passes boundary (h0 / dht, or 0)
+    through."""
+    picked = states.index_select(0, segment.clamp(0, count - 1))
+    through = boundary if boundary is not None else torch.zeros_like(picked)
+    return torch.where((last < 0)[:, None, None, None], through, picked)
+
+
+def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:
+    """Chunk-local cumsum of g [T, Hv] on the device (float64 running sum, no host sync) -> [B, T, Hv] fp32."""
+    T = g_packed.shape[0]
+    _, local = token_positions(cu, T)
+    t = torch.arange(T, device=cu.device)
+    start = t - local % CHUNK  # the token's chunk start
+    cs = torch.cat([g_packed.new_zeros(1, g_packed.shape[1], dtype=torch.float64),
+                    torch.cumsum(g_packed.double(), dim=0)])
+    return (cs[t + 1] - cs[start]).float().unflatten(0, shape)

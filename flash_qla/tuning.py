@@ -1,0 +1,73 @@
+"""The kernel path's switches, in one typed place.
+
+Every field has a default that the planner's choice wins with; tests and the maintained benchmark scripts pin a field
+to cover one variant or path (``with tuning.override(force_block_v=64): ...``). Plans are cached by call signature
+(flash_qla/plans.py), so each change bumps ``settings.generation``, which is part of every plan's key.
+
+Environment variables read once at import:
+  FLASH_QLA_FUSED=0|1            pins use_fused (else the planner chooses per shape)
+  FLASH_QLA_POISON_OUTPUTS=1     poison_outputs
+  FLASH_QLA_PLAN_CACHE=N         plan_cache_size
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Optional
+
+
+@dataclasses.dataclass
+class Tuning:
+    # The plain forward's path: None lets the planner choose (planner.prefer_fused); True / False pin
+    # gdn_fwd_fused or gdn_prepare + gdn_fwd_chain.
+    use_fused: Optional[bool] = None
+    # A V block every chain kernel that builds it uses (tests cover each built variant); None: planned.
+    force_block_v: Optional[int] = None
+    # gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4); None: planned.
+    force_heads_per_cta: Optional[int] = None
+    # Intra-card CP segment length in chunks; 0 never takes CP; None: planned (cp.plan_segment_chunks).
+    force_segment_chunks: Optional[int] = None
+    # Fill every output and workspace with NaN (integer tables: their most negative value) before the launches,
+    # so an element a kernel fails to write shows.
+    poison_outputs: bool = False
+    # The backward's recompute chain runs on a side stream beside the dh chain (the two share the SMs).
+    save_chain_beside_dh: bool = True
+    # gdn_bwd_chunk's CTA count cap (None: one per SM); small caps push several items through each CTA's loop.
+    chunk_ctas_max: Optional[int] = None
+    # Replay recorded plans (flash_qla/plans.py); False runs every call as written, through the Python launches
+    # (tests that watch those launches).
+    replay: bool = True
+    # Plans kept (least recently used dropped first): a serving workload's distinct shapes must not grow memory.
+    plan_cache_size: int = 256
+    generation: int = dataclasses.field(default=0, repr=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name != "generation" and name not in {f.name for f in dataclasses.fields(self)}:
+            raise AttributeError(f"flash_qla.tuning has no setting {name!r}")
+        object.__setattr__(self, name, value)
+        if name != "generation":
+            object.__setattr__(self, "generation", self.generation + 1)
+
+    @classmethod
+    def from_env(cls) -> "Tuning":
+        env = os.environ
+        return cls(use_fused={"0": False, "1": True}.get(env.get("FLASH_QLA_FUSED", "")),
+                   poison_outputs=env.get("FLASH_QLA_POISON_OUTPUTS") == "1",
+                   plan_cache_size=int(env.get("FLASH_QLA_PLAN_CACHE", "256")))
+
+
+settings = Tuning.from_env()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Tuning]:
+    """Set some fields for the duration of a ``with`` block, then restore them."""
+    before = {name: getattr(settings, name) for name in changes}
+    try:
+        for name, value in changes.items():
+            setattr(settings, name, value)
+        yield settings
+    finally:
+        for name, value in before.items():
+            setattr(settings, name, value)

@@ -1,0 +1,106 @@
+"""Host cost of the kernel path's eager calls: CPU microseconds per call in a host-bound loop.
+
+For each shape, after the calls that record its plans, N calls are queued back to back and the CPU time of the
+loop is divided by N (then the device is synchronised, outside the timing). The device runs behind the host,
+so this is what a serving engine or a training loop pays on the CPU per call. Forward: ``chunk_gated_delta_rule``
+under no_grad; forward + backward: the same call with gradients on every input, then ``autograd.backward`` on o
+and the final state. Shapes: the standard matrix's forward rows, plus small batches (1 x 64 tokens, 5 + 17 + 130,
+37 x 48, 256 x 8) with TP8's heads (hq 2, hv 8) and TP1-397B's (16, 64).
+
+usage (GPU machine, repository root):
+  python scripts/host_cost.py --out bench/results/h100/host_overhead.json [--calls 200] [--rows SUBSTRING]
+Writes {"device": ..., "rows": [{"shape", "tokens", "seqs", "hq", "hv", "fwd_host_us", "fwd_bwd_host_us",
+"plans"}]}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import flash_qla
+from flash_qla import plans
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import BenchRow, iter_rows, load_matrix
+
+SMALL = [("1x64", (64,)), ("5+17+130", (5, 17, 130)), ("37x48", (48,) * 37), ("256x8", (8,) * 256)]
+SMALL_HEADS = [("TP8", 2, 8), ("TP1-397B", 16, 64)]
+
+
+def shapes(filter_: str):
+    for row in iter_rows(load_matrix(), ("fwd",), ""):
+        yield row
+    for model, hq, hv in SMALL_HEADS:
+        for label, lens in SMALL:
+            yield BenchRow("fwd", model, hq, hv, label, lens, 128)
+
+
+def host_us(fn, calls: int, repeats: int = 3) -> float:
+    """Median over repeats of (CPU seconds to queue `calls` calls) / calls, in microseconds."""
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--calls", type=int, default=100, help="calls queued per timing (forward + backward: a third)")
+    ap.add_argument("--rows", default="", help="only shapes whose key contains this")
+    args = ap.parse_args()
+    rows = []
+    for row in shapes(args.rows):
+        key = f"{row.model}|{row.label}"
+        if args.rows and args.rows not in key:
+            continue
+        x = draw_inputs(row, "cuda")
+        kw = dict(scale=x.scale, initial_state=x.h0, output_final_state=True, cu_seqlens=x.cu_seqlens)
+
+        def fwd():
+            with torch.no_grad():
+                return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, **kw)
+
+        leaves = [t.detach().requires_grad_(True) for t in (x.q, x.k, x.v, x.g, x.beta, x.h0)]
+
+        def fwd_bwd():
+            q, k, v, g, beta, h0 = leaves
+            o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
+                                                     output_final_state=True, cu_seqlens=x.cu_seqlens)
+            torch.autograd.backward([o, ht], [x.do, x.dht])
+            for t in leaves:
+                t.grad = None
+
+        for fn in (fwd, fwd_bwd):  # record the plans, load the kernels
+            fn()
+            fn()
+        before = plans.stats()
+        r = dict(shape=key, tokens=row.tokens, seqs=len(row.seqlens), hq=row.hq, hv=row.hv,
+                 fwd_host_us=round(host_us(fwd, args.calls), 2),
+                 fwd_bwd_host_us=round(host_us(fwd_bwd, max(1, args.calls // 3)), 2))
+        after = plans.stats()
+        r["plans"] = {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replayed", "as_written")}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "method": "CPU time per call of N calls queued back to back (median of 3 loops), plans recorded first",
+           "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    worst = max(rows, key=lambda r: r["fwd_host_us"])
+    worst_step = max(rows, key=lambda r: r["fwd_bwd_host_us"])
+    print(f"max forward host cost {worst['fwd_host_us']} us ({worst['shape']}); max forward+backward "
+          f"{worst_step['fwd_bwd_host_us']} us ({worst_step['shape']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Plans on the GPU (flash_qla/plans.py): every kernel path, recorded once and replayed with one launcher crossing,
+gives bit-identical results to the same call run as written, and the standard paths do replay."""
+import pytest
+import torch
+
+import flash_qla
+from flash_qla import plans
+from flash_qla.tuning import override
+from test_gpu_forward import LENGTHS, draw
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+PATHS = {  # name: tuning that pins the path
+    "fused": dict(use_fused=True, force_segment_chunks=0),
+    "split": dict(use_fused=False, force_segment_chunks=0),
+    "cp": dict(force_segment_chunks=2),
+}
+
+
+def _grads(x, l2norm):
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    o, ht = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=x["cu_seqlens"], output_final_state=True,
+                                             use_qk_l2norm_in_kernel=l2norm)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    torch.autograd.backward([o, ht], [do, dht])
+    return [o, ht] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_replayed_plans_match_calls_run_as_written(path, l2norm):
+    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, 128, 128, torch.bfloat16, seed=3)
+    with override(replay=False, **PATHS[path]):
+        want = _grads(x, l2norm)
+    with override(**PATHS[path]):
+        plans.clear()
+        first = _grads(x, l2norm)  # recorded
+        again = [_grads(x, l2norm) for _ in range(3)]  # replayed
+        stats = plans.stats()
+    assert stats.get("recorded") == 2 and stats.get("replayed") == 6, stats  # forward and backward plans
+    assert not stats.get("unreplayable") and not stats.get("as_written"), stats
+    for got in [first] + again:
+        for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+            assert torch.equal(a, b), (path, l2norm, name)
+
+
+def test_low_level_fwd_and_bwd_replay_and_dense_batches():
+    x = draw([200, 200, 200], 2, 4, 64, 128, torch.float16, seed=4)
+    dense = {n: (t.view(3, 200, *t.shape[2:]) if n not in ("initial_state", "cu_seqlens") else t)
+             for n, t in x.items() if n != "cu_seqlens"}
+    plans.clear()
+    outs = []
+    for _ in range(3):
+        g_cumsum, A, o, _, ht = flash_qla.chunk_gated_delta_rule_fwd(**dense, output_final_state=True)
+        grads = flash_qla.chunk_gated_delta_rule_bwd(dense["q"], dense["k"], dense["v"], g_cumsum, dense["beta"], A,
+                                                     torch.ones_like(o), dht=torch.ones_like(ht),
+                                                     initial_state=dense["initial_state"])
+        outs.append([g_cumsum, A, o, ht, *grads])
+    stats = plans.stats()
+    assert stats.get("replayed") == 4 and not stats.get("unreplayable"), stats
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+def test_replayed_plan_inside_a_cuda_graph():
+    x = draw(LENGTHS["mixed"], 2, 8, 128, 128, torch.bfloat16, seed=6)
+    plans.clear()
+    want = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)  # recorded outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert plans.stats().get("replayed", 0) >= 2
