@@ -1,21 +1,31 @@
 #!/usr/bin/env python
-"""Benchmark the prefill service against calling the Python API directly.
+"""Throughput of the prefill service against its transport's own limit.
 
-Starts ``python -m server`` on 127.0.0.1 (its own process, so the clients do not share its GIL), waits for
-/ready, fires ``--clients`` concurrent clients with mixed sequence lengths for ``--duration-s`` seconds, then
-runs the same requests through ``flash_qla.chunk_gated_delta_rule`` one call at a time in this process (with
-the host<->device copies the service also does), and writes one JSON object with tokens/s and p50/p99 latency
-of both.
+Starts ``python -m server --echo-endpoint`` on 127.0.0.1 and drives it with agent turns: each of ``--clients``
+clients owns a session and sends short batches of new tokens (lengths log-uniform in [--min-len, --max-len]),
+one turn after the other. The same bodies are then posted to ``/v1/echo``, which reads them and answers as many
+bytes as the service answered, over the same HTTP stack (uvicorn, the app's middleware, auth): the throughput a
+service with free compute would reach. Two modes are timed, each against its own echo:
 
-GPU (the evidence run):   python scripts/service_bench.py --backend kernels --out bench/service_h100.json
-CPU (does it work at all): python scripts/service_bench.py --backend reference --head-dim 16 --heads 2 4 \
-                               --max-len 64 --clients 8 --duration-s 5 --out /tmp/service_cpu.json
+* ``sessions``:  the turn names its session (session_ids); the state stays in the server's pool;
+* ``stateless``: the turn uploads its initial state and downloads its final state (2 x Hv x K x V x 4 bytes more).
+
+The clients run in ``--client-procs`` processes (so the client side is not the limit); phases alternate
+echo / service for ``--rounds`` rounds. Writes one JSON object: tokens/s, requests/s, p50/p99 latency and bytes
+per turn of every phase, and service/echo per mode. Before timing, a session's three turns are checked against
+one direct ``flash_qla.chunk_gated_delta_rule`` call over the same tokens.
+
+GPU:  python scripts/service_bench.py --backend kernels --out bench/results/h100/service.json
+CPU:  python scripts/service_bench.py --backend reference --heads 2 4 --head-dim 16 --min-len 4 --max-len 32 \\
+          --clients 8 --client-procs 1 --duration-s 2 --rounds 1 --out /tmp/service_cpu.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
+import multiprocessing as mp
 import os
 import platform
 import socket
@@ -35,65 +45,127 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import flash_qla  # noqa: E402
 from flash_qla.reference import relative_l2  # noqa: E402
-from server.codec import decode_safetensors_response, encode_safetensors_request  # noqa: E402
+from server.codec import encode_safetensors_request  # noqa: E402
+from server.client import PrefillClient  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODES = ("sessions", "stateless")
+OCTET = {"content-type": "application/octet-stream"}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("kernels", "reference"), default="kernels")
-    p.add_argument("--clients", type=int, default=32, help="concurrent clients")
-    p.add_argument("--duration-s", type=float, default=20.0, help="how long each side is measured")
-    p.add_argument("--warmup-s", type=float, default=2.0)
-    p.add_argument("--heads", type=int, nargs=2, default=(2, 8), metavar=("HQ", "HV"))
+    p.add_argument("--clients", type=int, default=64, help="concurrent agents, one session each")
+    p.add_argument("--client-procs", type=int, default=4, help="processes the clients are spread over")
+    p.add_argument("--turns-per-client", type=int, default=6, help="distinct turn payloads per client, cycled")
+    p.add_argument("--duration-s", type=float, default=8.0, help="length of each timed phase")
+    p.add_argument("--rounds", type=int, default=2, help="echo / service alternations per mode")
+    p.add_argument("--heads", type=int, nargs=2, default=(16, 32), metavar=("HQ", "HV"))
     p.add_argument("--head-dim", type=int, default=128, help="K = V")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="q/k/v dtype (default bfloat16 for kernels, float32 for reference)")
     p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=2048, help="sequence lengths are drawn log-uniformly")
-    p.add_argument("--max-seqs", type=int, default=4, help="1..max-seqs sequences per request")
-    p.add_argument("--distinct-requests", type=int, default=64, help="payloads prepared up front and reused")
+    p.add_argument("--max-len", type=int, default=512, help="new tokens of a turn, drawn log-uniformly")
     p.add_argument("--max-batch-tokens", type=int, default=65536)
-    p.add_argument("--batch-wait-ms", type=float, default=2.0)
+    p.add_argument("--batch-wait-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON file (printed to stdout as well)")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.backend == "kernels" else "float32")
+    args.client_procs = max(1, min(args.client_procs, args.clients))
     return args
 
 
-def make_requests(args) -> List[Dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(args.seed)
+# -- the turns --------------------------------------------------------------------------------------------------
+
+def turn_tensors(args, client: int, turn: int) -> Dict[str, torch.Tensor]:
+    """One turn's new tokens (deterministic in (seed, client, turn), so every process builds the same ones)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + client * 1009 + turn)
     Hq, Hv = args.heads
     K = V = args.head_dim
-    log_lo, log_hi = torch.log(torch.tensor(float(args.min_len))), torch.log(torch.tensor(float(args.max_len)))
-    out = []
-    for _ in range(args.distinct_requests):
-        n = int(torch.randint(1, args.max_seqs + 1, (1,), generator=gen))
-        lengths = torch.exp(log_lo + (log_hi - log_lo) * torch.rand(n, generator=gen)).round().long().tolist()
-        T = sum(lengths)
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
-        x = {"q": torch.nn.functional.normalize(torch.randn(T, Hq, K, generator=gen), dim=-1),
-             "k": torch.nn.functional.normalize(torch.randn(T, Hq, K, generator=gen), dim=-1),
-             "v": torch.randn(T, Hv, V, generator=gen)}
-        x = {name: t.to(DTYPES[args.dtype]) for name, t in x.items()}
-        x.update(g=torch.nn.functional.logsigmoid(torch.randn(T, Hv, generator=gen)),
-                 beta=torch.rand(T, Hv, generator=gen), cu_seqlens=cu,
-                 initial_state=0.1 * torch.randn(n, Hv, K, V, generator=gen))
-        out.append(x)
-    return out
+    lo, hi = math.log(args.min_len), math.log(args.max_len)
+    T = int(round(math.exp(lo + (hi - lo) * float(torch.rand((), generator=gen)))))
+    x = {"q": torch.nn.functional.normalize(torch.randn(T, Hq, K, generator=gen), dim=-1),
+         "k": torch.nn.functional.normalize(torch.randn(T, Hq, K, generator=gen), dim=-1),
+         "v": torch.randn(T, Hv, V, generator=gen)}
+    x = {n: t.to(DTYPES[args.dtype]) for n, t in x.items()}
+    x.update(g=torch.nn.functional.logsigmoid(torch.randn(T, Hv, generator=gen)), beta=torch.rand(T, Hv, generator=gen),
+             cu_seqlens=torch.tensor([0, T], dtype=torch.int64))
+    return x
 
 
-def percentiles(latencies_s: List[float]) -> Dict[str, float]:
-    if not latencies_s:
+def turn_body(args, client: int, turn: int, mode: str, session_id: str) -> bytes:
+    x = turn_tensors(args, client, turn)
+    if mode == "sessions":
+        return encode_safetensors_request(x, session_ids=[session_id])
+    gen = torch.Generator().manual_seed(client * 7919 + turn)
+    Hv, K = args.heads[1], args.head_dim
+    x["initial_state"] = 0.1 * torch.randn(1, Hv, K, K, generator=gen)
+    return encode_safetensors_request(x, output_final_state=True)
+
+
+# -- the client processes ---------------------------------------------------------------------------------------
+
+def _percentiles(latencies: List[float]) -> Dict[str, float]:
+    if not latencies:
         return {"p50_ms": None, "p99_ms": None, "mean_ms": None}
-    ordered = sorted(latencies_s)
+    ordered = sorted(latencies)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
     return {"p50_ms": pick(0.50), "p99_ms": pick(0.99), "mean_ms": statistics.fmean(ordered) * 1e3}
 
 
-# -- the service ---------------------------------------------------------------------------------------------------
+async def _drive(url: str, turns: List[list], start_at: float, duration_s: float):
+    """Each client posts its next turn as soon as its previous answer arrived, until the time is up."""
+    latencies, statuses = [], {}
+    tokens = sent = received = 0
+    limits = httpx.Limits(max_connections=len(turns), max_keepalive_connections=len(turns))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+        async def one(client_turns):
+            nonlocal tokens, sent, received
+            j = 0
+            while time.time() < start_at + duration_s:
+                path, body, n_tokens = client_turns[j % len(client_turns)]
+                j += 1
+                t0 = time.perf_counter()
+                r = await client.post(url + path, content=body, headers=OCTET)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - t0)
+                    tokens += n_tokens
+                    sent += len(body)
+                    received += len(r.content)
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        await asyncio.gather(*(one(t) for t in turns))
+    return {"latencies": latencies, "statuses": statuses, "tokens": tokens, "sent": sent, "received": received}
+
+
+def _worker(conn, args, clients: List[int], session_ids: Dict[int, str]):
+    torch.set_num_threads(1)
+    bodies = {(mode, c): [turn_body(args, c, j, mode, session_ids[c]) for j in range(args.turns_per_client)]
+              for mode in MODES for c in clients}
+    tokens = {c: [turn_tensors(args, c, j)["q"].shape[0] for j in range(args.turns_per_client)] for c in clients}
+    conn.send({"ready": True})
+    while True:
+        command = conn.recv()
+        if command is None:
+            return
+        mode, target, url, start_at, duration_s, answer_bytes = command
+        turns = []
+        for c in clients:
+            per_client = []
+            for j, body in enumerate(bodies[(mode, c)]):
+                if target == "echo":
+                    path = f"/v1/echo?response_bytes={answer_bytes[(mode, c, j)]}"
+                else:
+                    path = "/v1/prefill"
+                per_client.append((path, body, tokens[c][j]))
+            turns.append(per_client)
+        conn.send(asyncio.run(_drive(url, turns, start_at, duration_s)))
+
+
+# -- the server ------------------------------------------------------------------------------------------------
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -104,148 +176,168 @@ def free_port() -> int:
 def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server", "--backend", args.backend, "--host", "127.0.0.1", "--port", str(port),
            "--max-batch-tokens", str(args.max_batch_tokens), "--batch-wait-ms", str(args.batch_wait_ms),
-           "--max-body-mb", "1024", "--max-queue", str(max(1024, 4 * args.clients)), "--log-level", "warning"]
+           "--max-body-mb", "1024", "--max-queue", str(max(1024, 4 * args.clients)), "--echo-endpoint",
+           "--log-level", "warning"]
     return subprocess.Popen(cmd, cwd=REPO_ROOT)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> dict:
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {proc.returncode}")
-            try:
-                r = client.get(url + "/ready")
-                verdict = r.json()
-                if r.status_code == 200:
-                    return verdict
-                if verdict.get("reason") != "starting":
-                    raise RuntimeError(f"the server is not ready: {verdict}")
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            r = httpx.get(url + "/ready", timeout=5.0)
+            if r.status_code == 200:
+                return r.json()
+            if r.json().get("reason") != "starting":
+                raise RuntimeError(f"the server is not ready: {r.json()}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
     raise RuntimeError(f"the server was not ready within {timeout_s} s")
 
 
-async def drive_clients(url: str, bodies: List[bytes], tokens: List[int], clients: int, duration_s: float):
-    """Each client posts the next payload as soon as its previous answer arrived, until the time is up."""
-    latencies, statuses, done_tokens = [], {}, 0
-    next_index = 0
-    stop_at = time.perf_counter() + duration_s
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-        async def one_client():
-            nonlocal next_index, done_tokens
-            while time.perf_counter() < stop_at:
-                i = next_index % len(bodies)
-                next_index += 1
-                started = time.perf_counter()
-                r = await client.post(url + "/v1/prefill", content=bodies[i],
-                                      headers={"content-type": "application/octet-stream"})
-                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-                if r.status_code == 200:
-                    latencies.append(time.perf_counter() - started)
-                    done_tokens += tokens[i]
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(clients)))
-        elapsed = time.perf_counter() - started
-    return {"requests": len(latencies), "tokens": done_tokens, "seconds": elapsed,
-            "tokens_per_s": done_tokens / elapsed, "requests_per_s": len(latencies) / elapsed,
-            "status_counts": {str(k): v for k, v in sorted(statuses.items())}, **percentiles(latencies)}
-
-
-def launch_stats(url: str) -> Dict[str, float]:
+def server_counters(url: str) -> Dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10.0).text
-    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-    launches = samples.get("flash_qla_launches_total", 0.0)
-    merged = samples.get("flash_qla_batch_requests_sum", 0.0)
-    return {"launches": launches, "requests_launched": merged,
-            "mean_requests_per_launch": merged / launches if launches else None,
-            "mean_tokens_per_launch": samples.get("flash_qla_batch_tokens_sum", 0.0) / launches if launches else None}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
-# -- the Python API directly ---------------------------------------------------------------------------------------
-
-def call_api(x: Dict[str, torch.Tensor], backend: str, device: torch.device):
-    """One request as its own API call, with the host<->device copies the service also pays."""
-    moved = {n: t.to(device, non_blocking=True) for n, t in x.items()}
+def check_against_direct_call(args, url: str) -> Dict[str, float]:
+    """Three turns of one session against one direct call over the concatenated tokens."""
+    parts = [turn_tensors(args, 10_000 + j, 0) for j in range(3)]
+    with PrefillClient(url) as client:
+        sid = client.create_session()
+        outs = [client.prefill(*(x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), session_ids=[sid]).o
+                for x in parts]
+        state = client.get_state(sid)
+        client.delete_session(sid)
+    whole = {n: torch.cat([x[n] for x in parts]) for n in ("q", "k", "v", "g", "beta")}
+    device = torch.device("cuda" if args.backend == "kernels" else "cpu")
+    T = whole["q"].shape[0]
     with torch.inference_mode():
         o, final = flash_qla.chunk_gated_delta_rule(
-            *(moved[n][None] for n in ("q", "k", "v", "g", "beta")), initial_state=moved["initial_state"],
-            output_final_state=True, cu_seqlens=moved["cu_seqlens"].to(torch.int32), backend=backend)
-    return o[0].cpu(), final.cpu()  # .cpu() synchronises
+            *(whole[n][None].to(device) for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
+            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=device), backend=args.backend)
+    return {"tokens": T, "o_rel_l2": relative_l2(torch.cat(outs), o[0].cpu()),
+            "final_state_rel_l2": relative_l2(state, final[0].cpu())}
 
 
-def drive_api(requests, tokens: List[int], backend: str, device: torch.device, duration_s: float):
-    latencies, done_tokens, i = [], 0, 0
-    started = time.perf_counter()
-    while time.perf_counter() - started < duration_s:
-        t0 = time.perf_counter()
-        call_api(requests[i % len(requests)], backend, device)
-        latencies.append(time.perf_counter() - t0)
-        done_tokens += tokens[i % len(requests)]
-        i += 1
-    elapsed = time.perf_counter() - started
-    return {"requests": len(latencies), "tokens": done_tokens, "seconds": elapsed,
-            "tokens_per_s": done_tokens / elapsed, "requests_per_s": len(latencies) / elapsed,
-            **percentiles(latencies)}
+def summarize(parts: List[dict], seconds: float) -> dict:
+    latencies = [x for p in parts for x in p["latencies"]]
+    statuses: Dict[str, int] = {}
+    for p in parts:
+        for k, v in p["statuses"].items():
+            statuses[str(k)] = statuses.get(str(k), 0) + v
+    tokens, sent, received = (sum(p[k] for p in parts) for k in ("tokens", "sent", "received"))
+    n = len(latencies)
+    return {"requests": n, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "requests_per_s": n / seconds, "mbytes_per_s": (sent + received) / seconds / 1e6,
+            "request_bytes_per_turn": sent / n if n else None, "answer_bytes_per_turn": received / n if n else None,
+            "status_counts": statuses, **_percentiles(latencies)}
 
 
 def main() -> None:
     args = parse_args()
-    device = torch.device("cuda" if args.backend == "kernels" else "cpu")
-    requests = make_requests(args)
-    tokens = [x["q"].shape[0] for x in requests]
-    bodies = [encode_safetensors_request(x) for x in requests]
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
+    workers = []
     try:
         readiness = wait_ready(url, proc)
-        # one answer checked against the direct call: the service computes the same thing
-        r = httpx.post(url + "/v1/prefill", content=bodies[0], timeout=120.0,
-                       headers={"content-type": "application/octet-stream"})
-        r.raise_for_status()
-        o_srv, final_srv = decode_safetensors_response(r.content)
-        o_api, final_api = call_api(requests[0], args.backend, device)
-        agreement = {"o_rel_l2": relative_l2(o_srv, o_api), "final_state_rel_l2": relative_l2(final_srv, final_api)}
-        if args.warmup_s > 0:
-            asyncio.run(drive_clients(url, bodies, tokens, args.clients, args.warmup_s))
-        before = launch_stats(url)
-        service = asyncio.run(drive_clients(url, bodies, tokens, args.clients, args.duration_s))
-        after = launch_stats(url)
-        launches = after["launches"] - before["launches"]
-        merged = after["requests_launched"] - before["requests_launched"]
-        service["launches"] = launches
-        service["mean_requests_per_launch"] = merged / launches if launches else None
+        agreement = check_against_direct_call(args, url)
+        with PrefillClient(url) as client:
+            session_ids = {c: client.create_session() for c in range(args.clients)}
+        # one pass over every turn: warms the service up and records each answer's size for the echo
+        answer_bytes = {}
+        with httpx.Client(timeout=120.0) as http:
+            for mode in MODES:
+                for c in range(args.clients):
+                    for j in range(args.turns_per_client):
+                        r = http.post(url + "/v1/prefill", content=turn_body(args, c, j, mode, session_ids[c]),
+                                      headers=OCTET)
+                        r.raise_for_status()
+                        answer_bytes[(mode, c, j)] = len(r.content)
+        ctx = mp.get_context("spawn")
+        for w in range(args.client_procs):
+            parent, child = ctx.Pipe()
+            mine = [c for c in range(args.clients) if c % args.client_procs == w]
+            p = ctx.Process(target=_worker, args=(child, args, mine, {c: session_ids[c] for c in mine}), daemon=True)
+            p.start()
+            workers.append((p, parent))
+        for _, conn in workers:
+            conn.recv()
+
+        def phase(mode: str, target: str, duration_s: float) -> dict:
+            before = server_counters(url)
+            start_at = time.time() + 0.5
+            for _, conn in workers:
+                conn.send((mode, target, url, start_at, duration_s, answer_bytes))
+            parts = [conn.recv() for _, conn in workers]
+            seconds = max(duration_s, time.time() - start_at)
+            result = summarize(parts, seconds)
+            after = server_counters(url)
+            launches = after.get("flash_qla_launches_total", 0) - before.get("flash_qla_launches_total", 0)
+            if target == "service" and launches:
+                merged = after["flash_qla_batch_requests_sum"] - before["flash_qla_batch_requests_sum"]
+                result.update(launches=launches, mean_requests_per_launch=merged / launches,
+                              mean_launch_ms=1e3 * (after["flash_qla_kernel_seconds_sum"]
+                                                    - before["flash_qla_kernel_seconds_sum"]) / launches,
+                              mean_queue_ms=1e3 * (after["flash_qla_queue_seconds_sum"]
+                                                   - before["flash_qla_queue_seconds_sum"]) / merged)
+            return result
+
+        for mode in MODES:  # a short untimed run of each, then the timed alternation
+            phase(mode, "echo", 1.0)
+            phase(mode, "service", 1.0)
+        rounds = {mode: {"echo": [], "service": []} for mode in MODES}
+        for _ in range(args.rounds):
+            for mode in MODES:
+                for target in ("echo", "service"):
+                    rounds[mode][target].append(phase(mode, target, args.duration_s))
     finally:
+        for p, conn in workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            p.join(10)
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
 
-    if args.warmup_s > 0:
-        drive_api(requests, tokens, args.backend, device, min(args.warmup_s, 2.0))
-    direct = drive_api(requests, tokens, args.backend, device, args.duration_s)
+    def total(results: List[dict]) -> dict:
+        seconds = sum(r["seconds"] for r in results)
+        tokens = sum(r["tokens"] for r in results)
+        return {"tokens_per_s": tokens / seconds, "requests_per_s": sum(r["requests"] for r in results) / seconds}
 
+    modes = {}
+    for mode in MODES:
+        echo, service = total(rounds[mode]["echo"]), total(rounds[mode]["service"])
+        modes[mode] = {"echo": echo, "service": service,
+                       "service_over_echo_tokens_per_s": service["tokens_per_s"] / echo["tokens_per_s"],
+                       "rounds": rounds[mode]}
+    bytes_per_turn = {mode: statistics.fmean(r["request_bytes_per_turn"] + r["answer_bytes_per_turn"]
+                                             for r in rounds[mode]["service"]) for mode in MODES}
+    Hv, K = args.heads[1], args.head_dim
     result = {
-        "bench": "service_vs_direct_api",
+        "bench": "service_vs_echo",
         "backend": args.backend,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name() if args.backend == "kernels" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "flash_qla": flash_qla.__version__,
         "host_cpus": os.cpu_count(),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
-        "requests_prepared": {"count": len(requests), "tokens_min": min(tokens), "tokens_max": max(tokens),
-                              "tokens_mean": statistics.fmean(tokens)},
         "readiness": readiness,
-        "service_vs_api_agreement": agreement,
-        "service": service,
-        "direct_api": direct,
-        "service_over_direct_tokens_per_s": service["tokens_per_s"] / direct["tokens_per_s"],
+        "session_turns_vs_direct_call": agreement,
+        "state_bytes_per_sequence": Hv * K * K * 4,
+        "bytes_per_turn": {**bytes_per_turn,
+                           "stateless_minus_sessions": bytes_per_turn["stateless"] - bytes_per_turn["sessions"],
+                           "two_states": 2 * Hv * K * K * 4},
+        "modes": modes,
+        "service_over_echo": {mode: modes[mode]["service_over_echo_tokens_per_s"] for mode in MODES},
     }
     text = json.dumps(result, indent=2, default=str)
     print(text)

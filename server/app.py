@@ -163,30 +163,36 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
                            headers={"Retry-After": "1"} if verdict is STARTING else None)
         encoding = media_type(request.headers.get("content-type"))
         body = await request.body()  # BodyLimitMiddleware makes an oversized body a 413 here
-        prefill_request = await _decode(body, encoding)
+        # Off the event loop, in one hop each: decoding and admission before the queue, encoding after it.
+        prefill_request = await run_in_threadpool(admit, body, encoding)
+        sessions = prefill_request.session_ids
+        try:
+            result = await asyncio.wait_for(state.batcher.submit(prefill_request), config.request_timeout_s)
+        except BaseException as error:
+            if sessions:
+                await run_in_threadpool(state.store.finish, sessions)
+            mapped = _launch_error(error)
+            if mapped is error:
+                raise
+            raise mapped from error
+        payload = await run_in_threadpool(answer, result, encoding, sessions)
+        return Response(payload, media_type=encoding)
+
+    def admit(body: bytes, encoding: str) -> PrefillRequest:
+        """Decode and check a request before it may queue: sizes, head dims, the memory estimate, its sessions."""
+        prefill_request = _decode(body, encoding)
         _check_size_limits(prefill_request, config)
         check_head_dims(prefill_request, config.backend, state.kernel_head_dims())
         prefill_request.memory_bytes = check_memory(prefill_request, config.backend, encoding,
                                                     config.max_request_bytes).total
-        sessions = prefill_request.session_ids
+        if prefill_request.session_ids:
+            state.store.admit(prefill_request.session_ids, prefill_request.session_config)
+        return prefill_request
+
+    def answer(result, encoding: str, sessions) -> bytes:
         if sessions:
-            await run_in_threadpool(state.store.admit, sessions, prefill_request.session_config)
-        try:
-            result = await asyncio.wait_for(state.batcher.submit(prefill_request), config.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimedOut(f"no answer within {config.request_timeout_s} s (--request-timeout-s)") from None
-        except (ValueError, TypeError) as error:  # the library rejected the launch: the request's fault
-            raise InputError.from_api_error(error) from error
-        except ServiceError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a device or library failure: 500 with its text, logged
-            log.exception("prefill launch failed")
-            raise ServiceError(f"the launch failed: {type(error).__name__}: {error}", reason="launch_failed")
-        finally:
-            if sessions:
-                await run_in_threadpool(state.store.finish, sessions)
-        payload = await run_in_threadpool(encode_result, result, encoding)
-        return Response(payload, media_type=encoding)
+            state.store.finish(sessions)
+        return encode_result(result, encoding)
 
     if config.echo_endpoint:
         zeros = {"buffer": b""}  # grown, never resized in place: answers in flight hold views of it
@@ -212,13 +218,26 @@ async def _expire_sessions(store: SessionStore, every_s: float = 5.0) -> None:
             log.exception("session expiry sweep failed")
 
 
-async def _decode(body: bytes, encoding: str) -> PrefillRequest:
-    """Parse off the event loop (large JSON bodies take a while); pydantic errors become 422 with the field."""
+def _decode(body: bytes, encoding: str) -> PrefillRequest:
+    """pydantic errors become 422 with the field."""
     try:
-        return await run_in_threadpool(decode_request, body, encoding)
+        return decode_request(body, encoding)
     except ValidationError as error:
         errors = error.errors(include_url=False, include_context=False, include_input=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def _launch_error(error: BaseException) -> BaseException:
+    """What a failed wait for the launch becomes for the client."""
+    if isinstance(error, asyncio.TimeoutError):
+        return RequestTimedOut("no answer within the request timeout (--request-timeout-s); with session_ids the "
+                               "turn may have been applied: the session's tokens tell")
+    if isinstance(error, (ServiceError, asyncio.CancelledError)) or not isinstance(error, Exception):
+        return error
+    if isinstance(error, (ValueError, TypeError)):  # the library rejected the launch: the request's fault
+        return InputError.from_api_error(error)
+    log.error("prefill launch failed", exc_info=error)  # a device or library failure: 500 with its text
+    return ServiceError(f"the launch failed: {type(error).__name__}: {error}", reason="launch_failed")
 
 
 def _check_size_limits(request: PrefillRequest, config: ServiceConfig) -> None:

@@ -48,12 +48,11 @@ class PrefillEngine:
                     self.store.release(lease)
 
     def _launch(self, requests: List[PrefillRequest], leases: List[Optional[Lease]]) -> List[PrefillResult]:
-        batch = merge_requests(requests)
         dev = self.device
-        non_blocking = dev.type == "cuda"
-        moved = [x.to(dev, non_blocking=non_blocking) for x in (batch.q, batch.k, batch.v, batch.g, batch.beta)]
+        batch = merge_requests(requests, dev)
+        moved = [batch.q, batch.k, batch.v, batch.g, batch.beta]
         # int32 offsets on the launch device: what the kernels read, and no host sync to validate them.
-        cu = batch.cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=non_blocking)
+        cu = batch.cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=dev.type == "cuda")
         h0 = self._initial_states(batch, requests, leases)
         has_sessions = any(lease is not None for lease in leases)
         # POOL-INDEXED CALL: once flash_qla.chunk_gated_delta_rule takes the pool itself (initial_state=pool,
@@ -85,7 +84,7 @@ class PrefillEngine:
         if batch.initial_state is None and all(lease is None for lease in leases):
             return None
         if batch.initial_state is not None:  # zeros where a request sent none; session rows are filled below
-            h0 = batch.initial_state.to(self.device, non_blocking=self.device.type == "cuda")
+            h0 = batch.initial_state
         else:
             first = requests[0]
             dtype = next(lease.initial_states.dtype for lease in leases if lease is not None)

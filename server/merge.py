@@ -11,13 +11,13 @@ from .prefill import PrefillRequest, PrefillResult, state_dtype
 
 @dataclass
 class MergedBatch:
-    q: torch.Tensor                        # [1, T_total, Hq, K]
+    q: torch.Tensor                        # [1, T_total, Hq, K] on the launch device
     k: torch.Tensor
     v: torch.Tensor                        # [1, T_total, Hv, V]
     g: torch.Tensor                        # [1, T_total, Hv]
     beta: torch.Tensor
     cu_seqlens: torch.Tensor               # [N_total + 1] int64, host
-    initial_state: Optional[torch.Tensor]  # [N_total, Hv, K, V], None when no request sent one
+    initial_state: Optional[torch.Tensor]  # [N_total, Hv, K, V] on the device, None when no request sent one
     scale: float
     use_qk_l2norm_in_kernel: bool
     output_final_state: bool               # true when any request asked for its final state
@@ -36,9 +36,14 @@ def _offsets(sizes: List[int]) -> List[int]:
     return out
 
 
-def merge_requests(requests: List[PrefillRequest]) -> MergedBatch:
+def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device] = None) -> MergedBatch:
     """Concatenate along tokens; shift every request's cu_seqlens by the tokens before it; stack the states
-    (zeros for requests that sent none, which is what the API assumes for them anyway)."""
+    (zeros for requests that sent none, which is what the API assumes for them anyway).
+
+    The packed tensors are built on ``device`` (default: the host) by copying each request's piece into its rows:
+    for a GPU launch that is one host-to-device copy per piece and no host-side concatenation."""
+    device = device or torch.device("cpu")
+    non_blocking = device.type == "cuda"
     if not requests or len({r.key for r in requests}) != 1:
         raise ValueError("merge_requests needs one or more requests with the same batch key")
     first = requests[0]
@@ -49,11 +54,17 @@ def merge_requests(requests: List[PrefillRequest]) -> MergedBatch:
     if any(r.initial_state is not None for r in requests):
         Hv, K, V = first.key.num_v_heads, first.key.head_dim_k, first.key.head_dim_v
         dt = state_dtype(first.q.dtype)
-        initial_state = torch.cat([r.initial_state if r.initial_state is not None
-                                   else torch.zeros(r.num_seqs, Hv, K, V, dtype=dt) for r in requests])
+        initial_state = torch.zeros(seq_offsets[-1], Hv, K, V, dtype=dt, device=device)
+        for r, s0 in zip(requests, seq_offsets):
+            if r.initial_state is not None:
+                initial_state[s0:s0 + r.num_seqs].copy_(r.initial_state, non_blocking=non_blocking)
 
     def packed(name: str) -> torch.Tensor:
-        return torch.cat([getattr(r, name) for r in requests])[None]
+        first_piece = getattr(first, name)
+        out = torch.empty(token_offsets[-1], *first_piece.shape[1:], dtype=first_piece.dtype, device=device)
+        for r, t0 in zip(requests, token_offsets):
+            out[t0:t0 + r.num_tokens].copy_(getattr(r, name), non_blocking=non_blocking)
+        return out[None]
 
     return MergedBatch(packed("q"), packed("k"), packed("v"), packed("g"), packed("beta"), cu, initial_state,
                        first.scale, first.use_qk_l2norm_in_kernel,
