@@ -178,7 +178,8 @@ for tag in base builder runtime; do
   case "$tag" in base) img="$BASE_IMAGE";; builder) img="$BUILDER_IMAGE";; runtime) img="$RUNTIME_IMAGE";; esac
   B push --quiet --compression-format gzip "$img" "oci:$WORK/oci:$tag" >/dev/null
 done
-B inspect --type image --format '{{json .Docker.Config}}' "$RUNTIME_IMAGE" > "$WORK/runtime_config.json"
+B inspect --type image "$RUNTIME_IMAGE" \
+  | "$HOST_PY" -c 'import json, sys; json.dump(json.load(sys.stdin)["Docker"]["config"], sys.stdout)' > "$WORK/runtime_config.json"
 "$HOST_PY" "$REPO/ci/image_facts.py" "$WORK/oci" "$WORK/runtime_config.json" --tags base builder runtime \
   ${EXPORT_DIR:+--export-wheel-layer "$EXPORT_DIR/runtime_wheel_layer.tar.gz"} | tee "$WORK/facts.txt"
 while IFS= read -r line; do SUMMARY+=("$line"); done < "$WORK/facts.txt"

@@ -4,8 +4,8 @@
 
 For each tag: total gzip-compressed size (the layer blobs as pushed, what a registry stores and a pull moves)
 and uncompressed size (the layers' tar streams); for the last tag, every layer with the build step that made
-it. RUNTIME_CONFIG_JSON is ``buildah inspect --format '{{json .Docker.Config}}'`` of the runtime image (the OCI
-config has no healthcheck). ``--export-wheel-layer`` copies the gzip layer of the step that installs the project
+it. RUNTIME_CONFIG_JSON is the ``Docker.config`` object of ``buildah inspect`` of the runtime image (the OCI config
+has no healthcheck). ``--export-wheel-layer`` copies the gzip layer of the step that installs the project
 wheel (``pip install ... flash_qla_aot-*.whl``) to OUT.
 """
 from __future__ import annotations
