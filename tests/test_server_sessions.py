@@ -283,3 +283,29 @@ def test_unreadable_state_file_is_set_aside_not_read(tmp_path):
     assert store.open() == 0
     store.close()
     assert (tmp_path / ("B" * 22 + ".safetensors.unreadable")).exists()
+
+
+@pytest.mark.gpu
+def test_kernels_backend_session_turns_match_one_direct_call():
+    """On an sm_90 GPU: three turns of a session (state in the device pool) against one kernels call over the
+    whole sequence, at the kernels' bf16 bar."""
+    import flash_qla
+    gen = torch.Generator().manual_seed(7)
+    T, Hq, Hv, D = 300, 2, 4, 128
+    x = {"q": torch.nn.functional.normalize(torch.randn(T, Hq, D, generator=gen), dim=-1).bfloat16(),
+         "k": torch.nn.functional.normalize(torch.randn(T, Hq, D, generator=gen), dim=-1).bfloat16(),
+         "v": torch.randn(T, Hv, D, generator=gen).bfloat16(),
+         "g": torch.nn.functional.logsigmoid(torch.randn(T, Hv, generator=gen)), "beta": torch.rand(T, Hv, generator=gen),
+         "cu_seqlens": torch.tensor([0, T])}
+    with torch.inference_mode():
+        o_ref, final_ref = flash_qla.chunk_gated_delta_rule(
+            *(x[n][None].cuda() for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
+            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device="cuda"))
+    with BackgroundServer(ServiceConfig(backend="kernels", port=0, batch_wait_ms=1)) as server, \
+            PrefillClient(server.url) as client:
+        assert server.wait_ready(120), server.service.ready
+        sid = client.create_session()
+        outs = [prefill(client, part, [sid]).o for part in split(x, [70, 199])]
+        state = client.get_state(sid)
+    assert relative_l2(torch.cat(outs).float(), o_ref[0].float().cpu()) < 2e-2
+    assert relative_l2(state, final_ref[0].cpu()) < 2e-2
