@@ -41,7 +41,9 @@ def select_backend(device: torch.device, backend: str) -> str:
     major, minor = _CAPABILITY[index]
     if (major, minor) != (9, 0):
         raise RuntimeError(f"the kernels are built for sm_90a, found sm_{major}{minor} on {device}; "
-                           f"pass backend='reference' to run the pure-PyTorch path there")
+                           f"pass backend='reference' to run the pure-PyTorch path there (called through FLA's "
+                           f"dispatch, which also routes SM100 / SM120 to flash_qla: set FLA_FLASH_QLA=0 so FLA runs "
+                           f"its own kernels on this GPU)")
     return "kernels"
 
 
