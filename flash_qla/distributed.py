@@ -56,6 +56,7 @@ import torch.distributed as dist
 WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # longest warm-up window before a boundary falls back to the exact transition
+PIECE_TOKENS = 1024               # ranges run with their transition are cut into independent pieces this long
 
 
 @dataclass(frozen=True)
@@ -165,10 +166,10 @@ class _Call:
     group_size: int       # v-heads per q/k head
     state_dtype: torch.dtype
 
-    def run(self, q, k, v, g, beta, h0=None, final=True):
+    def run(self, q, k, v, g, beta, h0=None, final=True, cu=None):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=self.scale, initial_state=h0, output_final_state=final,
-                                      use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend)
+                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend)
 
 
 def _heads(call: _Call, idx: Optional[torch.Tensor], q, k, v, g, beta):
@@ -186,7 +187,7 @@ def _widened(call: _Call, v, h0, want_transition: bool):
     if not want_transition:
         return v, h0
     H, K = v.shape[2], h0.shape[2]
-    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(1, H, K, K)
+    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(h0.shape[0], H, K, K)
     return torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=3), torch.cat([h0, eye], dim=3)
 
 
@@ -195,48 +196,77 @@ def _can_widen(call: _Call, v, K: int) -> bool:
     return call.backend == "reference" or v.device.type != "cuda" or v.shape[3] + K in (64, 128, 256)
 
 
-def _transition(call: _Call, x):
-    """The exact transition M [H, K, K] of a token range: its final state for v = 0 from the identity."""
+def _pieces(n: int, device):
+    """Offsets cutting n tokens into PIECE_TOKENS-long pieces: a range whose entering state is zero (or the identity)
+    runs as that many independent sequences, each with its own transition, folded afterwards: the serial chain
+    is one piece long instead of the whole range."""
+    cuts = list(range(0, n, PIECE_TOKENS)) + [n]
+    return torch.tensor(cuts, dtype=torch.int32, device=device), len(cuts) - 1
+
+
+def _transition(call: _Call, x, cu, rows: int):
+    """The exact transitions [rows, H, K, K] of each piece: its final state for v = 0 from the identity."""
     q, k, v, g, beta = x
     K = q.shape[3]
-    h0 = torch.eye(K, dtype=call.state_dtype, device=v.device).expand(1, v.shape[2], K, K).contiguous()
-    _, ht = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, h0)
-    return ht[0].to(call.state_dtype)
+    h0 = torch.eye(K, dtype=call.state_dtype, device=v.device).expand(rows, v.shape[2], K, K).contiguous()
+    _, ht = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, h0, cu=cu)
+    return ht.to(call.state_dtype)
 
 
 def _contribution(call: _Call, x, h0, want_transition: bool):
-    """Forward over one token range of one sequence: (Z [H, K, V], M [H, K, K] or None)."""
+    """Forward over one token range of one sequence: (Z [H, K, V], M [H, K, K] or None). With the transition the
+    entering state must be zero: the range then runs in pieces, Z and M folded from the pieces'."""
     q, k, v, g, beta = x
     V = v.shape[3]
-    if want_transition and not _can_widen(call, v, q.shape[3]):
-        return _contribution(call, x, h0, False)[0], _transition(call, x)
-    v2, h2 = _widened(call, v, h0, want_transition)
-    _, ht = call.run(q, k, v2, g, beta, h2)
-    ht = ht[0].to(call.state_dtype)
-    return (ht[..., :V], ht[..., V:]) if want_transition else (ht, None)
+    if not want_transition:
+        _, ht = call.run(q, k, v, g, beta, h0)
+        return ht[0].to(call.state_dtype), None
+    cu, rows = _pieces(v.shape[1], v.device)
+    h0 = h0.expand(rows, *h0.shape[1:])
+    if _can_widen(call, v, q.shape[3]):
+        v2, h2 = _widened(call, v, h0, True)
+        _, ht = call.run(q, k, v2, g, beta, h2.contiguous(), cu=cu)
+        ht = ht.to(call.state_dtype)
+        zs, ms = ht[..., :V], ht[..., V:]
+    else:
+        _, zs = call.run(q, k, v, g, beta, h0.contiguous(), cu=cu)
+        zs, ms = zs.to(call.state_dtype), _transition(call, x, cu, rows)
+    Z, M = zs[0], ms[0]
+    for i in range(1, rows):
+        Z, M = zs[i] + ms[i] @ Z, ms[i] @ M
+    return Z, M
 
 
 def _state_gradient(call: _Call, x, do, dht, want_transition: bool):
     """Backward over one token range of one sequence: (D = d loss / d entering state [H, K, V], M or None), where the
-    loss is <o, do> (+ <final state, dht> when dht is given), by autograd through the public function."""
+    loss is <o, do> (+ <final state, dht> when dht is given), by autograd through the public function. With the
+    transition (and no dht) the range runs in pieces: D = D_1 + M_1^T (D_2 + M_2^T (...))."""
     q, k, v, g, beta = (t.detach() for t in x)
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
-    if want_transition and not _can_widen(call, v, K):
-        with torch.no_grad():
-            M = _transition(call, (q, k, v, g, beta))
-        return _state_gradient(call, (q, k, v, g, beta), do, dht, False)[0], M
-    h0 = v.new_zeros(1, H, K, V, dtype=call.state_dtype)
-    v2, h2 = _widened(call, v, h0, want_transition)
-    h2 = h2.detach().requires_grad_(True)
+    cu, rows = _pieces(v.shape[1], v.device) if want_transition else (None, 1)
+    widen = want_transition and _can_widen(call, v, K)
+    h0 = v.new_zeros(rows, H, K, V, dtype=call.state_dtype)
+    v2, h2 = _widened(call, v, h0, widen)
+    h2 = h2.contiguous().requires_grad_(True)
     with torch.enable_grad():
-        o, ht = call.run(q, k, v2, g, beta, h2)
+        o, ht = call.run(q, k, v2, g, beta, h2, cu=cu)
         outs, grads = [o[..., :V]], [do]
         if dht is not None:
-            outs.append(ht[0, ..., :V])
+            outs.append(ht[-1, ..., :V])
             grads.append(dht.to(ht.dtype))
         (dh0,) = torch.autograd.grad(outs, [h2], grads)
-    D = dh0[0, ..., :V].to(call.state_dtype)
-    return (D, ht[0, ..., V:].detach().to(call.state_dtype)) if want_transition else (D, None)
+    ds = dh0[..., :V].to(call.state_dtype)
+    if not want_transition:
+        return ds[0], None
+    if widen:
+        ms = ht.detach()[..., V:].to(call.state_dtype)
+    else:
+        with torch.no_grad():
+            ms = _transition(call, (q, k, v, g, beta), cu, rows)
+    D, M = ds[-1], ms[-1]
+    for i in range(rows - 2, -1, -1):
+        D, M = ds[i] + ms[i].transpose(-1, -2) @ D, M @ ms[i]
+    return D, M
 
 
 def _gate_windows(g, beta, k, call: _Call, reverse: bool, limit: int):
@@ -393,6 +423,17 @@ class _Spec:
         self.ctx, self.call = ctx, call
 
 
+@torch.profiler.record_function("cp.backward.boundary")
+def _reverse_part(ctx: CPContext, call: _Call, x, do, dht):
+    """(D, M) of this rank's first sequence, continued from the previous rank (see _boundary)."""
+    n = int(ctx.cu_seqlens_cpu[1])
+    ends_here = ctx.num_seqs > 1 or ctx.post_num_ranks == 0
+    xs = tuple(t.detach()[:, :n] for t in x)
+    own = {"dht": dht[0]} if ends_here else None
+    far = None if ends_here else dht[0]
+    return _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=True, extra=(do[:, :n], far))
+
+
 class _ReverseExchange(torch.autograd.Function):
     """Identity on (o, final state) in the forward; in the backward it computes this rank's reverse boundary
     contribution, exchanges, and adds the gradient arriving from later ranks to the last sequence's final-state
@@ -418,13 +459,9 @@ class _ReverseExchange(torch.autograd.Function):
         C = torch.zeros(Hv, K, V, dtype=call.state_dtype, device=v.device)
         M = None
         if ctx.pre_num_ranks > 0:                          # this rank's first sequence is continued: reverse part
-            n = int(ctx.cu_seqlens_cpu[1])
-            ends_here = ctx.num_seqs > 1 or ctx.post_num_ranks == 0
-            xs = tuple(t.detach()[:, :n] for t in x)
-            own = {"dht": dht[0]} if ends_here else None
-            far = None if ends_here else dht[0]
-            C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=True, extra=(do[:, :n], far))
-        Cs, Ms = _all_gather(ctx, C, M)
+            C, M = _reverse_part(ctx, call, x, do, dht)
+        with torch.profiler.record_function("cp.backward.exchange"):
+            Cs, Ms = _all_gather(ctx, C, M)
         if ctx.post_num_ranks > 0:
             dht = dht.clone()
             dht[-1] = dht[-1] + _leaving_gradient(ctx, Cs, Ms).to(dht.dtype)
@@ -478,7 +515,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not linked:
         return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.profiler.record_function("cp.forward.boundary"):
         C = torch.zeros(Hv, K, V, dtype=state_dtype, device=q.device)
         M = None
         if ctx.post_num_ranks > 0:                              # this rank's last sequence goes on: forward part
@@ -492,6 +529,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     q.new_zeros(1, Hv, K, V, dtype=state_dtype)
                 own = {"h0": h0.to(state_dtype)}
             C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=False)
+    with torch.no_grad(), torch.profiler.record_function("cp.forward.exchange"):
         Cs, Ms = _all_gather(ctx, C, M)
         h_in = _entering_state(ctx, Cs, Ms) if ctx.pre_num_ranks > 0 else None
 

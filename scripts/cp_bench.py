@@ -84,7 +84,11 @@ def ours_calls(world, cu, rank):
         return lambda x: flash_qla.chunk_gated_delta_rule(*x, cu_seqlens=cu)[0], None
     ctx = build_cp_context(cu)
     local_cu = torch.tensor([0, cu[-1].item() // world], dtype=torch.int32, device=cu.device)
-    local = lambda x: flash_qla.chunk_gated_delta_rule(*x, cu_seqlens=local_cu)[0]
+
+    def local(x):  # the rank's main pass alone: an entering state in, its final state out (gradient zero)
+        h0 = torch.zeros(1, x[2].shape[2], HEAD_DIM, HEAD_DIM, device=cu.device)
+        o, ht = flash_qla.chunk_gated_delta_rule(*x, initial_state=h0, output_final_state=True, cu_seqlens=local_cu)
+        return o + 0 * ht.sum() if torch.is_grad_enabled() and o.requires_grad else o
     return lambda x: chunk_gated_delta_rule_cp(*x, cp_context=ctx)[0], local
 
 
@@ -143,7 +147,31 @@ def worker(rank, world, args, init_file, out_path):
                     print(json.dumps(row), flush=True)
                     with open(out_path, "a") as f:
                         f.write(json.dumps(row) + "\n")
+    if args.profile and world > 1 and args.lib == "ours":
+        profile(call_args=(args, world, rank, device))
     dist.destroy_process_group()
+
+
+def profile(call_args):
+    """One CP forward and one backward of the last configuration under torch.profiler; rank 1 prints its table."""
+    args, world, rank, device = call_args
+    hq, hv = map(int, args.heads.split(",")[-1].split("/"))
+    tokens = int(args.tokens.split(",")[-1])
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    call, _ = ours_calls(world, cu, rank)
+    x, do = shard(tokens // world, hq, hv, rank, device, True)
+    for _ in range(2):
+        torch.autograd.backward([call(x)], [do])
+    sync_all(device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        o = call(x)
+        sync_all(device)
+        torch.autograd.backward([o], [do])
+        sync_all(device)
+    if rank == 1:  # a middle rank: both boundaries (rank 0 has no reverse part)
+        print(f"profile: world {world} tokens {tokens} hq {hq} hv {hv} (rank 1)", flush=True)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
 
 
 def main(argv=None):
@@ -156,6 +184,7 @@ def main(argv=None):
     p.add_argument("--passes", default="fwd,bwd")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of the last configuration")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run over gloo")
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
