@@ -52,7 +52,7 @@ def prefill_body(q, k, v, g, beta, cu_seqlens=None, *, session_ids: Optional[Seq
                  initial_state=None, scale=None, use_qk_l2norm_in_kernel=False,
                  output_final_state: Optional[bool] = None) -> bytes:
     """The safetensors body of one /v1/prefill request. Tensors may carry a leading batch dim of 1."""
-    def unbatched(name, x, ndim):
+    def unbatched(x, ndim):
         if x is None:
             return None
         x = torch.as_tensor(x)
@@ -60,8 +60,8 @@ def prefill_body(q, k, v, g, beta, cu_seqlens=None, *, session_ids: Optional[Seq
             x = x[0]
         return x.detach().to("cpu").contiguous()
 
-    tensors = {"q": unbatched("q", q, 3), "k": unbatched("k", k, 3), "v": unbatched("v", v, 3),
-               "g": unbatched("g", g, 2), "beta": unbatched("beta", beta, 2)}
+    tensors = {"q": unbatched(q, 3), "k": unbatched(k, 3), "v": unbatched(v, 3), "g": unbatched(g, 2),
+               "beta": unbatched(beta, 2)}
     T = tensors["q"].shape[0]
     tensors["cu_seqlens"] = (torch.tensor([0, T], dtype=torch.int64) if cu_seqlens is None
                              else torch.as_tensor(cu_seqlens).to("cpu", torch.int64))

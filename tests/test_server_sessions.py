@@ -82,11 +82,10 @@ def test_three_requests_in_one_session_equal_the_one_shot_answer(server, client)
                                    "state_dtype": "float32"}
 
 
-def test_sessions_and_stateless_sequences_share_one_request(server, client):
+def test_two_sequences_of_one_request_continue_two_sessions(server, client):
     """Two packed sequences continuing two sessions, JSON encoding, final states asked for explicitly."""
     x = make_inputs([20, 33], seed=12)
     a, b = client.create_session(), client.create_session()
-    first = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
     body = {name: t.tolist() for name, t in x.items()}
     r = httpx.post(server.url + "/v1/prefill", json={**body, "session_ids": [a, b], "output_final_state": True},
                    timeout=CLIENT_TIMEOUT)
@@ -97,7 +96,29 @@ def test_sessions_and_stateless_sequences_share_one_request(server, client):
     assert r.json()["session_tokens"] == [20, 33]
     assert_close(client.get_state(a), final_ref[0])
     assert_close(client.get_state(b), final_ref[1])
-    del first
+
+
+def test_session_and_uploaded_state_requests_share_one_launch():
+    """A session turn and a stateless request with its own initial state merged into one launch: both exact."""
+    config = ServiceConfig(backend="reference", port=0, batch_wait_ms=300)
+    with BackgroundServer(config) as server, PrefillClient(server.url) as client:
+        assert server.wait_ready(30)
+        sid = client.create_session()
+        x, y = make_inputs([40], seed=17), make_inputs([7, 12], seed=18, with_state=True)
+        first, second = split(x, [25])
+        prefill(client, first, [sid])
+        launches = server.service.batcher.launches
+        with ThreadPoolExecutor(2) as pool:
+            turn = pool.submit(prefill, client, second, [sid])
+            stateless = pool.submit(client.prefill, *(y[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
+                                    initial_state=y["initial_state"])
+            turn, stateless = turn.result(30), stateless.result(30)
+        assert server.service.batcher.launches - launches == 1
+    o_ref, final_ref = expected(x)
+    assert_close(turn.o, o_ref[25:])
+    y_o, y_final = expected(y)
+    assert_close(stateless.o, y_o)
+    assert_close(stateless.final_state, y_final)
 
 
 def test_session_errors_answer_404_409_422_with_reasons(server, client):
@@ -136,10 +157,10 @@ def test_session_errors_answer_404_409_422_with_reasons(server, client):
 
 
 def test_expired_session_is_404_with_reason_never_a_zero_state(server, client):
-    sid = client.create_session(ttl_s=0.2)
     x = make_inputs([4], seed=15)
+    sid = client.create_session(ttl_s=1.0)
     prefill(client, x, [sid])
-    threading.Event().wait(0.4)
+    threading.Event().wait(1.2)
     with pytest.raises(PrefillError) as e:
         prefill(client, x, [sid])
     assert e.value.status == 404 and e.value.reason == "session_expired"
