@@ -102,7 +102,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                    allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                   chunk_indices=chunk_indices, flags=dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   chunk_indices=chunk_indices,
+                   flags=dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                               state_v_first=state_v_first, inplace_update=inplace_update, auto_cp=auto_cp,
                               enable_fwd_cp_cache=enable_fwd_cp_cache, force_intra_cp=force_intra_cp))
     problem = validate_inputs(q, k, v, g, beta, scale, None, cu_seqlens)

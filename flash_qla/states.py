@@ -70,12 +70,13 @@ def check_indices(indices, problem: Problem, pool_slots: int, device, name: str 
         vals = indices.tolist()
         big = [i for i in vals if i >= pool_slots]
         if big:
-            raise ValueError(f"{name} names slot {big[0]} of a pool of S = {pool_slots} slots (valid: 0..{pool_slots - 1}, "
-                             f"or -1 for padding)")
+            raise ValueError(f"{name} names slot {big[0]} of a pool of S = {pool_slots} slots "
+                             f"(valid: 0..{pool_slots - 1}, or -1 for padding)")
         live = [i for i in vals if i >= 0]
         if len(set(live)) != len(live):
             dup = next(i for i in live if live.count(i) > 1)
-            raise ValueError(f"{name} names slot {dup} for more than one sequence; each slot holds one sequence's state")
+            raise ValueError(f"{name} names slot {dup} for more than one sequence; each slot holds one "
+                             f"sequence's state")
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ def test_padding_never_clobbers_a_live_slot_zero(idx):
     pool = pool_of(3, seed=4)
     _, _, pool_want = expected(x, pool, idx)
     live = pool.clone()
-    flash_qla.chunk_gated_delta_rule(**x, initial_state=live, initial_state_indices=torch.tensor(idx, dtype=torch.int32),
-                                     inplace_update=True)
+    flash_qla.chunk_gated_delta_rule(**x, initial_state=live, inplace_update=True,
+                                     initial_state_indices=torch.tensor(idx, dtype=torch.int32))
     assert rel(live, pool_want) < 1e-10
     if 0 not in idx:
         assert torch.equal(live[0], pool[0])
@@ -159,7 +159,8 @@ def test_half_pool_is_read_in_float32_and_written_in_its_dtype():
 @given(data=st.data(), S=st.integers(1, 6), lengths=st.lists(st.integers(0, 20), min_size=1, max_size=4),
        v_first=st.booleans())
 def test_pool_property(data, S, lengths, v_first):
-    """Random pools, lengths (empty sequences too) and slot assignments with padding, against the written-out meaning."""
+    """Random pools, lengths (empty sequences too) and slot assignments with padding, against the written-out
+    meaning."""
     if sum(lengths) == 0:
         lengths = lengths + [1]
     N = len(lengths)
