@@ -61,8 +61,9 @@ RUN set -eu; \
     rm -rf "$site/torch/include" "$site/torch/test" "$site"/torch/bin/test_*; \
     find "$site" -depth -type d \( -name tests -o -name __pycache__ \) -exec rm -rf {} +
 COPY --from=builder /dist/ /tmp/wheels/
+# numpy: safetensors >= 0.8 imports it to write a safetensors answer (torch itself does not require it).
 RUN set -eu; whl="$(ls /tmp/wheels/flash_qla_aot-*.whl)"; \
-    python -m pip install --no-compile --only-binary=:all: "${whl}[server]"; \
+    python -m pip install --no-compile --only-binary=:all: "${whl}[server]" numpy; \
     rm -rf /tmp/wheels; \
     site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
     find "$site" -depth -type d \( -name tests -o -name __pycache__ \) -exec rm -rf {} +; \

@@ -54,8 +54,9 @@ for tool in buildah debootstrap git; do command -v "$tool" >/dev/null || fail "$
 server_pid_on() {
   local port="$1" pid cmd
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-    cmd="$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null)" || continue
-    case "$cmd" in python*" -m server "*"--port $port "*) echo "$pid"; return 0;; esac
+    cmd="$(tr '\0' ' ' 2>/dev/null < "/proc/$pid/cmdline")" || continue
+    case "${cmd%% *}" in python*|*/python*) ;; *) continue;; esac   # argv[0] (not buildah-chroot-exec's)
+    case "$cmd" in *" -m server "*"--port $port "*) echo "$pid"; return 0;; esac
   done
   return 1
 }
@@ -116,12 +117,14 @@ path-exclude /usr/share/man/*
 path-exclude /usr/share/info/*
 EOF
 rm -f "$ROOTFS"/usr/lib/python3*/EXTERNALLY-MANAGED
+# Like python:*-slim, no bytecode in the base (Debian byte-compiles its Python packages on install).
+find "$ROOTFS/usr" -depth -type d -name __pycache__ -exec rm -rf {} +
 # This host's own CAs (e.g. of an HTTPS proxy between it and PyPI): the build's pip must trust what it trusts.
 # They are part of this local base only; the official python:*-slim base has Debian's CAs alone.
 host_cas=(/usr/local/share/ca-certificates/*.crt)
 if [ -e "${host_cas[0]}" ]; then
   cp "${host_cas[@]}" "$ROOTFS/usr/local/share/ca-certificates/"
-  chroot "$ROOTFS" update-ca-certificates > /dev/null
+  chroot "$ROOTFS" update-ca-certificates > /dev/null 2>&1
   note "base trusts this host's ${#host_cas[@]} local CA(s) from /usr/local/share/ca-certificates"
 fi
 find "$ROOTFS/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete

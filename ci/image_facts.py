@@ -4,7 +4,7 @@
 
 For each tag: total gzip-compressed size (the layer blobs as pushed, what a registry stores and a pull moves)
 and uncompressed size (the layers' tar streams); for the last tag, every layer with the build step that made
-it. RUNTIME_CONFIG_JSON is the ``Docker.config`` object of ``buildah inspect`` of the runtime image (the OCI config
+it (layers shared with the first tag are named as its). RUNTIME_CONFIG_JSON is the ``Docker.config`` object of ``buildah inspect`` of the runtime image (the OCI config
 has no healthcheck). ``--export-wheel-layer`` copies the gzip layer of the step that installs the project
 wheel (``pip install ... flash_qla_aot-*.whl``) to OUT.
 """
@@ -84,11 +84,12 @@ def main() -> int:
     if len(steps) != len(manifest["layers"]):
         print(f"note: {len(steps)} history entries with layers for {len(manifest['layers'])} layers", file=sys.stderr)
         steps = (["?"] * len(manifest["layers"]) + steps)[-len(manifest["layers"]):]
+    base_layers = {layer["digest"] for layer in manifests[args.tags[0]]["layers"]}
     wheel_layer = None
     for i, (layer, step) in enumerate(zip(manifest["layers"], steps)):
         size = uncompressed_size(blob_path(args.layout, layer["digest"]), cache)
-        print(f"  {last} layer {i}: {mb(layer['size'])} compressed, {mb(size)} uncompressed: "
-              f"{short(step) if step != '?' else 'base image (debootstrap rootfs)'}")
+        made_by = f"the {args.tags[0]} image's layer" if layer["digest"] in base_layers else short(step)
+        print(f"  {last} layer {i}: {mb(layer['size'])} compressed, {mb(size)} uncompressed: {made_by}")
         if "pip install" in step and "flash_qla_aot-" in step:
             wheel_layer = layer
 
