@@ -169,7 +169,7 @@ def compile_kernel(prim_func, pass_configs=None) -> CompiledKernel:
     cubin, log = nvcc_cubin(artifact.kernel_source)
     regs, spills = _ptxas_stats(log)
     serialized = wgmma_serialization(log)
-    if serialized:  # a silent 2x: every wgmma waits for the previous one (measured on gdn_fwd_st drafts)
+    if serialized:  # a silent 2x: every wgmma waits for the previous one (measured on gdn_fwd_chain drafts)
         raise RuntimeError(f"{meta['symbol']}: ptxas serialised the asynchronous wgmmas: {serialized}")
     return CompiledKernel(cubin=cubin, registers=regs, spills=spills,
                           compile_seconds=time.perf_counter() - start, source=artifact.kernel_source, **meta)

@@ -1,6 +1,6 @@
 """Float64 stand-ins for the backward's chain kernels, for CPU tests of the backward's math and plumbing.
 
-`emulate_chains` does, in plain torch and in the kernels' layouts, what gdn_prepare + gdn_fwd
+`emulate_chains` does, in plain torch and in the kernels' layouts, what gdn_prepare + gdn_bwd_recompute
 (save build) and gdn_bwd_dh compute on the GPU: it returns the recompute dict and (dv, x, dhs, dh0) that
 flash_qla.backward._chunk_parallel consumes. The GPU tests check the real kernels end to end.
 """

@@ -37,9 +37,9 @@ def _check_after_edit(tmp_path, kernel_file: str) -> subprocess.CompletedProcess
 
 
 def test_changed_kernel_source_fails_check(tmp_path):
-    r = _check_after_edit(tmp_path, "gdn_fwd.py")
+    r = _check_after_edit(tmp_path, "gdn_bwd_recompute.py")
     assert r.returncode == 1
-    assert "gdn_fwd.bf16.K128.V128.BV64.modesave: stale" in r.stdout
+    assert "gdn_bwd_recompute.bf16.K128.V128.BV64.modesave: stale" in r.stdout
     assert "gdn_prepare." not in r.stdout  # other kernels stay current
 
 
@@ -47,7 +47,7 @@ def test_changed_shared_helper_makes_its_importers_stale(tmp_path):
     r = _check_after_edit(tmp_path, "common.py")
     assert r.returncode == 1
     assert "gdn_prepare.bf16.K128.Asolve: stale" in r.stdout and "gdn_bwd_chunk.bf16.K128.V128: stale" in r.stdout
-    assert "gdn_fwd_st" not in r.stdout  # kernels that do not import it stay current
+    assert "gdn_fwd_chain" not in r.stdout  # kernels that do not import it stay current
 
 
 def test_changed_compiler_or_missing_cubin_fails_check(tmp_path):

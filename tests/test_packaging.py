@@ -200,7 +200,7 @@ def _run(tmp_path, a, b, *extra, capsys):
     return rc, capsys.readouterr()
 
 
-BASE = [_entry("gdn_fwd.bf16.K128.V128", b"cubin-1"), _entry("gdn_prepare.bf16.K64", b"cubin-2")]
+BASE = [_entry("gdn_bwd_recompute.bf16.K128.V128", b"cubin-1"), _entry("gdn_prepare.bf16.K64", b"cubin-2")]
 
 
 def test_compare_identical_passes(tmp_path, capsys):
@@ -215,7 +215,7 @@ def test_compare_changed_sha_fails_naming_the_key(tmp_path, capsys):
     rc, out = _run(tmp_path, _manifest(BASE), _manifest(rebuilt), capsys=capsys)
     assert rc == 1
     assert "gdn_prepare.bf16.K64: sha256 differs" in out.out
-    assert "gdn_fwd.bf16.K128.V128" not in out.out.replace("FAILED", "")
+    assert "gdn_bwd_recompute.bf16.K128.V128" not in out.out.replace("FAILED", "")
     assert "FAILED: 1 difference" in out.out
 
 
@@ -227,15 +227,15 @@ def test_compare_ignores_build_date_and_compile_seconds(tmp_path, capsys):
 
 
 def test_compare_missing_or_extra_key_and_metadata_fail(tmp_path, capsys):
-    extra = BASE + [_entry("gdn_fwd.fp16.K64.V64", b"cubin-3")]
+    extra = BASE + [_entry("gdn_bwd_recompute.fp16.K64.V64", b"cubin-3")]
     rc, out = _run(tmp_path, _manifest(BASE), _manifest(extra), capsys=capsys)
-    assert rc == 1 and "gdn_fwd.fp16.K64.V64: rebuilt but not in the committed manifest" in out.out
+    assert rc == 1 and "gdn_bwd_recompute.fp16.K64.V64: rebuilt but not in the committed manifest" in out.out
     rc, out = _run(tmp_path, _manifest(extra), _manifest(BASE), capsys=capsys)
-    assert rc == 1 and "gdn_fwd.fp16.K64.V64: in the committed manifest but not rebuilt" in out.out
+    assert rc == 1 and "gdn_bwd_recompute.fp16.K64.V64: in the committed manifest but not rebuilt" in out.out
     changed = json.loads(json.dumps(BASE))
     changed[0]["smem"] = 1024
     rc, out = _run(tmp_path, _manifest(BASE), _manifest(changed), capsys=capsys)
-    assert rc == 1 and "gdn_fwd.bf16.K128.V128: smem differs" in out.out
+    assert rc == 1 and "gdn_bwd_recompute.bf16.K128.V128: smem differs" in out.out
 
 
 def test_compare_subset_skips_keys_not_rebuilt_but_checks_the_rest(tmp_path, capsys):
@@ -244,7 +244,7 @@ def test_compare_subset_skips_keys_not_rebuilt_but_checks_the_rest(tmp_path, cap
     changed = json.loads(json.dumps(BASE[:1]))
     changed[0]["sha256"] = "f" * 64
     rc, out = _run(tmp_path, _manifest(BASE), _manifest(changed), "--subset", capsys=capsys)
-    assert rc == 1 and "gdn_fwd.bf16.K128.V128: sha256 differs" in out.out
+    assert rc == 1 and "gdn_bwd_recompute.bf16.K128.V128: sha256 differs" in out.out
 
 
 def test_compare_toolchain_mismatch_fails(tmp_path, capsys):
@@ -255,7 +255,7 @@ def test_compare_toolchain_mismatch_fails(tmp_path, capsys):
 def test_compare_kernel_dir_checks_rebuilt_files(tmp_path, capsys):
     kdir = tmp_path / "k"
     kdir.mkdir()
-    (kdir / "gdn_fwd.bf16.K128.V128.cubin.xz").write_bytes(lzma.compress(b"cubin-1"))
+    (kdir / "gdn_bwd_recompute.bf16.K128.V128.cubin.xz").write_bytes(lzma.compress(b"cubin-1"))
     (kdir / "gdn_prepare.bf16.K64.cubin.xz").write_bytes(lzma.compress(b"tampered"))
     rc, out = _run(tmp_path, _manifest(BASE), _manifest(BASE), "--kernel-dir", str(kdir), capsys=capsys)
     assert rc == 1 and "gdn_prepare.bf16.K64: gdn_prepare.bf16.K64.cubin.xz hashes to" in out.out

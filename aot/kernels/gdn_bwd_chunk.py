@@ -1,6 +1,6 @@
 """The chunk-parallel half of the GDN backward, fused: dq, dk, dbeta, dg per (chunk, v-head).
 
-Inputs are what the recompute pass (gdn_prepare, gdn_fwd save build) and the reverse recurrence
+Inputs are what the recompute pass (gdn_prepare, gdn_bwd_recompute save build) and the reverse recurrence
 (gdn_bwd_dh) left in memory: A (gate-free inverse), gamma, the chunk's entering state S and leaving-state
 gradient dS', W, Vnew, X = dL/dVnew, dW = dL/dV and dO. The math is
 flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in blocks of BV:

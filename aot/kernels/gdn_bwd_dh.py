@@ -1,6 +1,6 @@
 """GDN backward state recurrence: one CTA per (sequence, v-head, V-block) walks its chunks last to first.
 
-The forward chain per chunk (gdn_fwd) is, with S the entering state,
+The forward chain per chunk (gdn_bwd_recompute) is, with S the entering state,
     W = V - diag(eg) K S,   Vnew = Agb W,   O = scale diag(eg) Q S + P Vnew,
     S' = eg_last S + K^T diag(et) Vnew.
 Its adjoint, with dS the gradient of the leaving state S' (fp32, K x BV, in registers), is
@@ -36,7 +36,7 @@ STAGES = 2
 # reader had already passed a barrier), all on the chain's critical path.
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 CHAIN_BARRIER = 1  # a named barrier of the consumer threads only (0 is __syncthreads: the producer warp is not there)
-# The backward runs gdn_fwd's save build and gdn_bwd_dh's chain side by side (their CTAs fit one SM together):
+# The backward runs gdn_bwd_recompute's save build and gdn_bwd_dh's chain side by side (their CTAs fit one SM together):
 # both ask for the SM's whole shared-memory carveout. Left to the driver, an SM running one of them is split for
 # that kernel alone and the other's CTA cannot join it (hk16_hv32 8k_1seq: the chains ran one after the other,
 # 1.07 ms; side by side 0.96). Other kernels keep the driver's split (more L1: TP8 forward rows were 1.5% faster).

@@ -1,14 +1,14 @@
 """The whole GDN forward of one (sequence, v-head, V block) chain in one CTA: nothing but q, k, v, g, beta read
 and o (and the final state) written. use_qk_l2norm_in_kernel is applied algebraically (no pass over the tiles).
 
-gdn_prepare + gdn_fwd_st materialise Agb and P (256 bytes per token and v-head, written once and read back): on
+gdn_prepare + gdn_fwd_chain materialise Agb and P (256 bytes per token and v-head, written once and read back): on
 the rows where sequences x heads fill the GPU that round trip and the extra pass cost as much as the chain itself.
 Here what gdn_prepare writes to memory is made in shared memory, one to two chunks ahead of the chain: Agb =
 Gamma * A * beta_col (the inverse of the gated K K^T is Gamma * A, chunk_inverse.py) and P = scale * Gamma *
 tril(Q K^T) by an aux warpgroup; gamma (the chunk-local cumsum of g), eg = exp(gamma) and et = exp(gamma_last -
 gamma) (0 past the end) by the producer warp.
 Warpgroups (threads):
-  consumers  BV / 64 warpgroups, each the transposed-state chain of gdn_fwd_st's out build on 64 V columns. BV = 64:
+  consumers  BV / 64 warpgroups, each the transposed-state chain of gdn_fwd_chain's out build on 64 V columns. BV = 64:
              the bf16 state copy (A operand of K S and Q S) in registers; BV = 128: in shared memory, which frees the
              32 registers a thread that let the aux fit beside two consumers;
   aux        one warpgroup: the chunk-local products and the inverse for the chunks ahead (BV = 128: one product
@@ -28,7 +28,7 @@ from .common import L2NORM_EPS
 
 C = 64
 # BV = 128 (two consumer warpgroups) took 4.5 us a chunk while the state copy lived in registers (the aux got 72 and
-# spilled); with it in shared memory 3.44 us (bench/results/experiments/fwd_fused_aux_warpgroup_h200.md)
+# spilled); with it in shared memory 3.44 us (H200)
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1]}
 VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"

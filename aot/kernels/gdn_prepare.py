@@ -9,7 +9,7 @@ Per 64-token chunk with gamma the chunk-local cumsum of g, Gamma_ij = exp(gamma_
          or g itself when the caller passes the cumsum: g_is_cumsum) and
   the chunk's largest beta_i |k_i|^2 (the diagonal of diag(beta) K K^T; 3 for a negative beta: intra-card
   CP's warm-up bound needs every token's 0 <= beta |k|^2 <= 2).
-The recurrence kernel (gdn_fwd_st) then keeps only the state-dependent chain. One CTA of one warpgroup per
+The recurrence kernel (gdn_fwd_chain) then keeps only the state-dependent chain. One CTA of one warpgroup per
 (chunk, group of up to four v-heads reading the same q / k head: the chunk lookup, the q / k tiles (TMA), the
 optional l2norm of their rows, g / beta and both 64 x 64 x K products are shared by the group; beta scales
 K K^T's rows per head). Chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of
@@ -37,7 +37,7 @@ THREADS = 128     # one warpgroup: the two 64 x 64 x K products are single wgmma
 # Liveness-based shared-memory reuse (the q / k tiles give way to K K^T, Q K^T and the inverse): 52 KB instead
 # of 85 KB, four CTAs per SM instead of two. Safe here because every buffer that takes another's place is
 # first written in a statement after a CTA barrier that follows the last read of the other (unlike a
-# warp-specialised pipeline, where the producer writes while consumers read: gdn_fwd must not use it).
+# warp-specialised pipeline, where the producer writes while consumers read: gdn_bwd_recompute must not use it).
 PASS_CONFIGS = {"tl.enable_aggressive_shared_memory_merge": True,
                 # Every CTA barrier is written out below. TileLang's own pass added three more per head where it
                 # could not prove disjoint blocks of one buffer disjoint, two of them 64-thread named barriers
@@ -99,7 +99,7 @@ def build(dtype: str, K: int, A: str = "solve"):
         with T.Kernel(T.ceildiv(NT, C) + N, Hv // hpc, threads=THREADS) as (bc, hg):
             # four CTAs per SM (shared memory allows four; reading A, 35 KB, up to six with the whole carveout): at
             # most 128 registers per thread. Five reading A (102 registers) spilled and ran 2-6% slower than four
-            # (H200, scripts/kernel_replay_ab.py)
+            # (H200)
             T.annotate_min_blocks_per_sm(4)
             q_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)

@@ -5,8 +5,8 @@ wait on every stage's "empty" mbarrier by phase parity, but only the elected lan
 Warps 1-3 take no part in any barrier's progress, so nothing keeps them in step: once one of them falls two phases
 behind on a barrier, the parity it waits for is the barrier's current one again, and when the consumers and warp 0
 have finished, it waits forever and its CTA never exits. This is the backward's hang (H200, cuda-gdb on a held
-stall: only threads 32-127 of one gdn_fwd save-build CTA alive, all in the try-wait loop on the k stage's empty
-barrier; bench/results/experiments/backward_hang_hunt_h200.md). It needs those warps to be starved for two phases,
+stall: only threads 32-127 of one gdn_bwd_recompute save-build CTA alive, all in the try-wait loop on the k stage's empty
+barrier). It needs those warps to be starved for two phases,
 which happened when another CTA shared the SM.
 
 The fix: the producer branch returns at once for warps 1-3. It is applied to TileLang's generated CUDA through its

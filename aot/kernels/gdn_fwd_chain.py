@@ -1,0 +1,242 @@
+"""GDN forward recurrence with the transposed state in registers: o and the final state (mode "out"), and
+the intra-card CP pre-pass chains (modes "state" and "trans", flash_qla/cp.py).
+
+The chain of gdn_bwd_recompute's out build, written on S^T (BV x K, fp32) so that every product takes its state-side
+operand from registers (wgmma's A operand may be a register fragment; B must be shared memory):
+    (K S)^T = S^T K^T,  (Q S)^T = S^T Q^T                     A = S^T (bf16 copy), B = k / q tiles
+    W^T     = V^T - (K S)^T diag(eg)
+    Vnew^T  = W^T Agb^T                                        A = W^T,  B = Agb tile
+    O^T     = scale (Q S)^T diag(eg) + Vnew^T P^T              A = Vnew^T, B = P tile
+    S^T     = eg_last S^T + (diag(et) Vnew)^T K                A = Vd^T, B = k tile
+Nothing of the chain goes through shared memory (gdn_bwd_recompute round-trips S, W, Vnew and Vd through it every
+chunk, and its ncu profile shows the shared-memory pipe as the limiter); only O^T is staged there to leave
+as rows. One consumer warpgroup per 64 V columns (each owns 64 rows of S^T), a producer warpgroup streams
+q, k, v, Agb, P, eg, et by TMA two or three chunks deep.
+Measured on the H200 (TP1 4096x8, forward-kernel time): ~0.80 ms at BV = 128 vs ~1.36 ms for gdn_bwd_recompute's
+shared-memory-staged out build at its best block; one chain's chunk ~2.5 us (BV = 64) / ~3.1 us (BV = 128).
+Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; they are not
+stored. eg_last is the last valid row's.
+CP pre-pass builds (no q, P or output): "state" runs the state-only chain from S = 0 over the chunk range that
+ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-driven warm-up), into ht[n];
+"trans" the same range with V = 0 and S = I (V = K), the range's exact transition M, for the heads whose
+decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk).
+"""
+import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
+
+from .producer_warp import register as single_warp_producer
+
+C = 64
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128],
+            "mode": ["out", "state", "trans"]}
+# the CP pre-pass builds: one V block (64: they are never the only work on the GPU); trans needs V = K
+VARIANT_RULE = "BV <= V and (mode == 'out' or BV == 64) and (mode != 'trans' or V == K)"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# The O staging's barriers are written out below, one named barrier per consumer warpgroup: TileLang's pass put
+# three 256-thread barriers around it each chunk, holding both warpgroups in lockstep (ncu: barrier stalls)
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+OUT_ROWS_PER_PASS = 16   # a warpgroup stores its 64 O columns (128 bytes a row) as 8 threads x 16 bytes per row
+OUT_BARRIER = 8          # named barrier ids 8, 9 (0 is __syncthreads)
+TURN_BARRIER = 10        # 10: warpgroup 0 has issued its product, 11: warpgroup 1 has
+
+# producer warps 1-3 leave at once: a lagging parity wait among them hung the backward (producer_warp.py)
+single_warp_producer("gdn_fwd_chain_kernel")
+
+
+def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
+    dt = DTYPES[dtype]
+    output = mode == "out"
+    cp = mode in ("state", "trans")  # CP pre-pass: the range from start[n, h] to cu_seqlens[n], no output
+    trans = mode == "trans"
+    # one warpgroup (BV = 64) leaves shared memory for a third stage: 2-5% faster chains (H200, TP8 1x32768 /
+    # TP2 1x8192); with two (BV = 128) the third stage measured 1-3% slower
+    stages = 3 if BV == 64 else 2
+    NT = T.dynamic("T")
+    Hq = T.dynamic("Hq")
+    Hv = T.dynamic("Hv")
+    N = T.dynamic("N")
+    TC = T.dynamic("TC")
+
+    @T.macro
+    def take_turn(wg, first):
+        """Two consumer warpgroups issue their products in turn (warpgroup 0 first), so that one's products queue on
+        the tensor cores behind the other's and its element-wise steps overlap them (1-8% on the BV = 128 rows,
+        H200)."""
+        if BV == 128:
+            if wg == 1:
+                T.sync_threads(TURN_BARRIER, 256)
+            elif not first:
+                T.sync_threads(TURN_BARRIER + 1, 256)
+
+    @T.macro
+    def pass_turn(wg):
+        if BV == 128:
+            T.named_barrier_arrive(TURN_BARRIER + wg, 256)
+
+    @T.macro
+    def drain_turns(wg, chunks):
+        """Warpgroup 0 takes warpgroup 1's last turn, so that the barrier ends drained."""
+        if BV == 128:
+            if wg == 0 and chunks > 0:
+                T.sync_threads(TURN_BARRIER + 1, 256)
+
+    @T.prim_func
+    def gdn_fwd_chain(
+        q: T.Tensor((NT, Hq, K), dt),
+        k: T.Tensor((NT, Hq, K), dt),
+        v: T.Tensor((NT, Hv, V), dt),
+        agb: T.Tensor((NT, Hv, C), dt),
+        p: T.Tensor((NT, Hv, C), dt),
+        eg_t: T.Tensor((Hv, TC), "float32"),
+        et_t: T.Tensor((Hv, TC), "float32"),
+        h0: T.Tensor((N, Hv, K, V), "float32"),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
+        o: T.Tensor((NT, Hv, V), dt),
+        ht: T.Tensor((N, Hv, K, V), "float32"),
+        start: T.Tensor((N, Hv), "int32"),
+        fallback: T.Tensor((N, Hv), "int32"),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
+            if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(232)
+            q_s = T.alloc_shared((C, K), dt)
+            k_s = T.alloc_shared((C, K), dt)
+            v_s = T.alloc_shared((C, BV), dt)
+            agb_s = T.alloc_shared((C, C), dt)
+            p_s = T.alloc_shared((C, C), dt)
+            eg_s = T.alloc_shared((C,), "float32")
+            et_s = T.alloc_shared((C,), "float32")
+            # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes, so the
+            # four token rows one store instruction touches land in different banks (4-way conflicts without)
+            o_s = T.alloc_shared((2, C, BV + 8), dt)  # double-buffered: one warpgroup barrier per chunk
+            # v is read down its columns (2-byte loads into W^T's accumulator layout): the 128-byte swizzle puts the
+            # four token rows of one load instruction in different banks
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            st = T.alloc_fragment((BV, K), "float32")
+            st_b = T.alloc_fragment((BV, K), dt)
+            kst = T.alloc_fragment((BV, C), "float32")
+            qst = T.alloc_fragment((BV, C), "float32")
+            wt = T.alloc_fragment((BV, C), dt)
+            vnt = T.alloc_fragment((BV, C), "float32")
+            vnt_b = T.alloc_fragment((BV, C), dt)
+            vdt_b = T.alloc_fragment((BV, C), dt)
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            slot0 = T.alloc_var("int32")
+            hk = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            if cp:  # compile time: the chain ends where segment n begins, chunk aligned
+                eos = cu_seqlens[n]
+                bos = start[n, h]
+                if trans:
+                    if fallback[n, h] == 0:
+                        bos = eos
+                c0 = chunk_offsets[n] - (eos - bos) // C
+            else:
+                bos = cu_seqlens[n]
+                eos = cu_seqlens[n + 1]
+                c0 = chunk_offsets[n]
+            slot0 = c0 * C
+            hk = h // (Hv // Hq)
+            v0 = bv * BV
+            ct = T.get_thread_binding()  # in the consumer code, consumer threads count from 0 (warp specialisation)
+            wg = ct // 128
+            if trans:  # S = I (V = K): S^T's rows are the block's columns of the identity
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
+            elif use_h0 != 0:
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = h0[n, h, kk, v0 + d]
+            else:
+                T.clear(st)
+            for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=stages):
+                t0 = bos + c * C
+                if output:  # compile time: only the output pass needs q, P, (Q S)^T and O
+                    T.copy(q[t0:t0 + C, hk, :], q_s)
+                T.copy(k[t0:t0 + C, hk, :], k_s)
+                if not trans:
+                    T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
+                T.copy(agb[t0:t0 + C, h, :], agb_s)
+                if output:
+                    T.copy(p[t0:t0 + C, h, :], p_s)
+                T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
+                T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
+                valid = T.min(eos - t0, C)
+                T.copy(st, st_b)
+                if output:
+                    # (K S)^T is the chain's; (Q S)^T, needed only for O, is issued behind Agb W (it no longer delays
+                    # Agb W; the state update, issued after it, still waits for it)
+                    take_turn(wg, c == 0)
+                    T.wgmma_gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(0)
+                    # no use of (K S)^T may move above the wait (a consumer thread holds 32 of its registers)
+                    T.warpgroup_fence_operand(kst, num_regs=C // 2)
+                else:
+                    T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if trans:  # V = 0: the homogeneous chain
+                    for d, i in T.Parallel(BV, C):
+                        wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
+                else:
+                    for d, i in T.Parallel(BV, C):
+                        wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
+                if output:
+                    take_turn(wg, False)
+                    T.wgmma_gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(st_b, q_s, qst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(1)
+                    T.warpgroup_fence_operand(vnt, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
+                else:
+                    T.gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for d, i in T.Parallel(BV, C):
+                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[i], dt)
+                for d, kk in T.Parallel(BV, K):
+                    st[d, kk] = st[d, kk] * eg_s[valid - 1]
+                if output:
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                    for d, i in T.Parallel(BV, C):
+                        qst[d, i] = qst[d, i] * (eg_s[i] * scale)
+                    # the state update and O's intra-chunk product issued back to back, one wait
+                    take_turn(wg, False)
+                    T.wgmma_gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(vnt_b, p_s, qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(st, num_regs=K // 2)  # nor of the state (K / 2 per thread)
+                    T.warpgroup_fence_operand(qst, num_regs=C // 2)  # or of O^T above this one
+                    # TileLang hands a pipeline stage back to the producer after the last statement that names its
+                    # tiles, unaware that the products above are asynchronous: this never-taken read names q, k
+                    # and P after the wait, so the producer cannot refill them while a product still reads them
+                    if valid < 0:
+                        o_s[0, 0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
+                    # Each consumer warpgroup stages and stores its own 64 columns of O (its rows of O^T): with two
+                    # buffers, the barrier after this chunk's staging also orders the previous chunk's reads of
+                    # the other buffer before the next chunk's writes to it
+                    for d, i in T.Parallel(BV, C):
+                        o_s[c % 2, i, d] = T.cast(qst[d, i], dt)
+                    T.sync_threads(OUT_BARRIER + wg, 128)
+                    col = wg * 64 + ct % 8 * 8
+                    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                        row = ps * OUT_ROWS_PER_PASS + ct % 128 // 8
+                        if row < valid:
+                            for u in T.vectorized(8):
+                                o[t0 + row, h, v0 + col + u] = o_s[c % 2, row, col + u]
+                else:
+                    T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
+            if output:
+                drain_turns(wg, T.ceildiv(eos - bos, C))
+            if store_ht != 0 or cp:
+                for d, kk in T.Parallel(BV, K):
+                    ht[n, h, kk, v0 + d] = st[d, kk]
+
+    return gdn_fwd_chain
