@@ -192,8 +192,9 @@ def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     dhs[used:] = 0
     dq, dk, dbeta, dgamma = chunk_gradients(
         qs, ks, to_slots(do_p, m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
-        to_slots(x, m), to_slots(dv, m), hs, dhs,
+        to_slots(x, m), to_slots(dv.reshape(-1, *dv.shape[-2:]), m), hs, dhs,
         to_slots(saved["A"], m), to_slots(saved["beta"], m), gamma, valid, problem.scale)
-    dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2)
-    dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2)
-    return dq, dk, from_slots(dbeta, m), from_slots(reverse_chunk_cumsum(dgamma), m)
+    shape = (problem.batch, problem.tokens)
+    dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2).unflatten(0, shape)
+    dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2).unflatten(0, shape)
+    return dq, dk, from_slots(dbeta, m).unflatten(0, shape), from_slots(reverse_chunk_cumsum(dgamma), m).unflatten(0, shape)

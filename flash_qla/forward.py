@@ -72,6 +72,8 @@ def device_cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], devi
     """cu_seqlens as int32 on the device; a dense batch's is made up once per (B, T, device) and kept (made fresh
     under CUDA-graph capture, whose pool must not leak into later calls)."""
     if cu_seqlens is not None:
+        if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device:
+            return cu_seqlens  # (.to costs microseconds even when it has nothing to do)
         return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
     key = (problem.batch, problem.tokens, device.index)
     cu = _DENSE_CU.get(key)

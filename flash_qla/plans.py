@@ -152,10 +152,18 @@ class Recorder:
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _add(self, start: int, nbytes: int, slot: int, offset: int, what: str) -> None:
+        fresh = slot >= len(self.inputs) or slot == -1
+        kept = []
         for r in self.regions:
-            if start < r.start + r.nbytes and r.start < start + nbytes:  # e.g. the same tensor passed twice
-                self.failure = self.failure or f"{what} overlaps another buffer of the call"
-        self.regions.append(_Region(start, nbytes, slot, offset))
+            if start < r.start + r.nbytes and r.start < start + nbytes:
+                if fresh and (r.slot >= len(self.inputs) or r.slot == -1):
+                    # the allocator reused a buffer the call had already freed: launches recorded since then name
+                    # the new one (the replay gives each its own space)
+                    continue
+                self.failure = self.failure or f"{what} overlaps another buffer of the call"  # e.g. an input twice
+            kept.append(r)
+        kept.append(_Region(start, nbytes, slot, offset))
+        self.regions = kept
 
     def _locate(self, address: int) -> Tuple[int, int]:
         for r in self.regions:
@@ -206,21 +214,23 @@ class Plan:
     device: torch.device
 
     def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int):
-        from .launch import side_stream
-        from .loader import native
         dev = self.device
-        poison = settings.poison_outputs
-        outs = [_fill(shape, dtype, dev) if poison else torch.empty(shape, device=dev, dtype=dtype)
-                for shape, dtype in self.outputs]
-        ws = None
-        if self.workspace:
-            ws = (torch.full((self.workspace,), 255, device=dev, dtype=torch.uint8) if poison else
-                  torch.empty(self.workspace, device=dev, dtype=torch.uint8))
-        pointers = tuple(0 if t is None else t.data_ptr() for t in inputs) + \
-            tuple(o.data_ptr() for o in outs) + (0 if ws is None else ws.data_ptr(),)
-        streams = (stream,) + tuple(side_stream(dev, name).cuda_stream for name in self.side_streams)
-        native().program_run(self.program, streams, pointers)
-        return self.finish(*(self._result(v, inputs, outs, ws) for v in self.results))
+        if settings.poison_outputs:
+            outs = [_fill(shape, dtype, dev) for shape, dtype in self.outputs]
+            ws = torch.full((self.workspace,), 255, device=dev, dtype=torch.uint8) if self.workspace else None
+        else:
+            outs = [torch.empty(shape, device=dev, dtype=dtype) for shape, dtype in self.outputs]
+            ws = torch.empty(self.workspace, device=dev, dtype=torch.uint8) if self.workspace else None
+        pointers = [0 if t is None else t.data_ptr() for t in inputs]
+        pointers += [o.data_ptr() for o in outs]
+        pointers.append(0 if ws is None else ws.data_ptr())
+        if self.side_streams:
+            from .launch import side_stream
+            streams = (stream,) + tuple(side_stream(dev, name).cuda_stream for name in self.side_streams)
+        else:
+            streams = (stream,)
+        _native().program_run(self.program, streams, tuple(pointers))
+        return self.finish(*[self._result(v, inputs, outs, ws) for v in self.results])
 
     def _result(self, v: Optional[_View], inputs, outs, ws):
         if v is None:
@@ -237,6 +247,11 @@ class Plan:
             base = outs[v.slot - self.num_inputs]
         flat = base.view(-1).view(torch.uint8)[v.offset:] if base.dtype != torch.uint8 else base[v.offset:]
         return flat.view(v.dtype).as_strided(v.shape, v.stride)
+
+
+def _native():
+    from .loader import native
+    return native()
 
 
 def _fill(shape, dtype, device) -> torch.Tensor:

@@ -51,11 +51,54 @@ def host_us(fn, calls: int, repeats: int = 3) -> float:
     return statistics.median(out)
 
 
+def profile(fn, calls: int, what: str) -> None:
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"-- {what}: {calls} calls")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def breakdown(x, leaves, calls: int) -> dict:
+    """Host microseconds of the layers of one call, each alone in a loop of `calls`."""
+    from flash_qla import ops
+    from flash_qla.validation import validate_inputs
+    dev = x.q.device
+    problem = validate_inputs(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens)
+    o = x.v.new_empty(x.v.shape)
+    do = torch.ones_like(o)
+    with torch.no_grad():
+        args = (problem, x.q, x.k, x.v, x.g, x.beta, x.h0, True, x.cu_seqlens, False)
+        out = {
+            "empty_us": host_us(lambda: torch.empty(1 << 20, device=dev, dtype=torch.uint8), calls),
+            "validate_us": host_us(lambda: validate_inputs(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens),
+                                   calls),
+            "ops_forward_us": host_us(lambda: ops.run_forward(*args), calls),
+            "ops_backward_us": host_us(lambda: ops.run_backward(problem, x.q, x.k, x.v, x.g, x.beta, x.h0,
+                                                               x.cu_seqlens, False, do, x.dht), max(1, calls // 3)),
+        }
+    q, k, v, g, beta, h0 = leaves
+
+    def forward_with_grad():
+        return flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
+                                                output_final_state=True, cu_seqlens=x.cu_seqlens)
+    out["api_forward_with_grad_us"] = host_us(forward_with_grad, max(1, calls // 3))
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=100, help="calls queued per timing (forward + backward: a third)")
     ap.add_argument("--rows", default="", help="only shapes whose key contains this")
+    ap.add_argument("--profile", action="store_true", help="print each shape's cProfile (top functions by own time)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the layers of a call alone (allocation, validation, plan replay, backward)")
     args = ap.parse_args()
     rows = []
     for row in shapes(args.rows):
@@ -82,6 +125,11 @@ def main() -> int:
         for fn in (fwd, fwd_bwd):  # record the plans, load the kernels
             fn()
             fn()
+        if args.profile:
+            profile(fwd, args.calls, "forward")
+            profile(fwd_bwd, max(1, args.calls // 3), "forward+backward")
+        if args.breakdown:
+            print(json.dumps(dict(shape=key, **breakdown(x, leaves, args.calls))), flush=True)
         before = plans.stats()
         r = dict(shape=key, tokens=row.tokens, seqs=len(row.seqlens), hq=row.hq, hv=row.hv,
                  fwd_host_us=round(host_us(fwd, args.calls), 2),

@@ -130,3 +130,19 @@ def test_forward_keys_differ_in_what_plans_depend_on(change):
                 output_final_state=True, use_qk_l2norm=False, want_gate_free_inverse=False)
     assert ops.forward_key(**base) == ops.forward_key(**base)
     assert ops.forward_key(**base) != ops.forward_key(**dict(base, **change))
+
+
+def test_a_buffer_the_call_freed_and_the_allocator_reused_names_the_new_allocation(native):
+    x = torch.zeros(16)
+    rec = plans.Recorder([x], main_stream=0)
+    first = torch.empty(64)
+    rec.allocation(first, None)
+    address = first.data_ptr()
+    rec.launch(KERNEL, 1, (1, 1, 1), 0, (address, (9, 1, None, (1,), (), (1,), (1,), 0, 0, 0, 0), 0))
+    # a second buffer at the same address, as the caching allocator hands out freed memory
+    rec._add(address, 256, -1, rec.workspace, "workspace")
+    rec.workspace += 256
+    rec.launch(KERNEL, 1, (1, 1, 1), 0, (address, (9, 1, None, (1,), (), (1,), (1,), 0, 0, 0, 0), 0))
+    rec.plan([], lambda: None, DEV)
+    ops_ = native.programs[0][0]
+    assert ops_[0][7][0] == (1, 0) and ops_[1][7][0] == (1, 256)  # each launch kept the buffer it saw (slot 1: the workspace)
