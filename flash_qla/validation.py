@@ -70,8 +70,34 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, tokens: int) -> int:
     return cu_seqlens.numel() - 1
 
 
+_VALIDATED: dict = {}  # call signature -> its Problem: a signature that passed once passes again
+
+
 def validate_inputs(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None) -> Problem:
-    """Check shapes, dtypes, devices and head counts; return the call's sizes."""
+    """Check shapes, dtypes, devices and head counts; return the call's sizes.
+
+    Everything checked is a function of the tensors' shapes, dtypes and devices, and of scale, except the values of a
+    cu_seqlens on the CPU: a call whose signature passed before returns its Problem from a small cache (O(1), no
+    device synchronisation); host cu_seqlens are checked every time."""
+    try:
+        key = (q.shape, k.shape, v.shape, g.shape, beta.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+               q.device, k.device, v.device, g.device, beta.device, scale, type(scale),
+               None if initial_state is None else (initial_state.shape, initial_state.dtype, initial_state.device),
+               None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device))
+        problem = _VALIDATED.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the checks below say what is wrong
+        key, problem = None, None
+    if problem is not None and (cu_seqlens is None or cu_seqlens.device.type != "cpu"):
+        return problem
+    problem = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if key is not None:
+        if len(_VALIDATED) >= 1024:
+            _VALIDATED.clear()
+        _VALIDATED[key] = problem
+    return problem
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> Problem:
     _require_tensor("q", q, 4, "[B, T, Hq, K]")
     _require_tensor("k", k, 4, "[B, T, Hq, K]")
     _require_tensor("v", v, 4, "[B, T, Hv, V]")

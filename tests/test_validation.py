@@ -102,3 +102,17 @@ def test_bwd_checks_the_gate_free_inverse():
         flash_qla.chunk_gated_delta_rule_bwd(**a, A=torch.zeros(B, T, Hv, 64, dtype=torch.float64), do=do)
     with pytest.raises(TypeError, match=r"A must be a tensor"):
         flash_qla.chunk_gated_delta_rule_bwd(**a, A="A", do=do)
+
+
+def test_a_validated_signature_is_remembered_but_host_cu_seqlens_values_are_checked_every_time():
+    import torch
+    from flash_qla.validation import validate_inputs
+    q = torch.zeros(1, 10, 1, 4)
+    v, g = torch.zeros(1, 10, 1, 4), torch.zeros(1, 10, 1)
+    good, bad = torch.tensor([0, 4, 10]), torch.tensor([0, 6, 4])
+    assert validate_inputs(q, q, v, g, g, cu_seqlens=good).num_seqs == 2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        validate_inputs(q, q, v, g, g, cu_seqlens=bad)  # same signature, other values
+    assert validate_inputs(q, q, v, g, g, scale=1).scale == 1.0
+    with pytest.raises(ValueError, match="scale"):
+        validate_inputs(q, q, v, g, g, scale=True)  # equal to 1 and hashed alike, but a bool
