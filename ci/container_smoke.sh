@@ -164,14 +164,14 @@ step "buildah bud --target builder"
 t=$SECONDS
 "${BUD[@]}" --target builder -t "$BUILDER_IMAGE" "$WORK/src" > "$WORK/build_builder.log" 2>&1 \
   || { tail -n 30 "$WORK/build_builder.log"; fail "builder stage"; }
-grep -E '^(STEP|COMMIT)' "$WORK/build_builder.log" || true
+grep -E '^(\[[0-9]+/[0-9]+\] )?(STEP|COMMIT)' "$WORK/build_builder.log" | cut -c1-160 || true
 note "builder stage built in $((SECONDS - t)) s: $(grep -E '^/dist/flash_qla_aot' "$WORK/build_builder.log" | sed 's#^/dist/##')"
 
 step "buildah bud (runtime, the default target)"
 t=$SECONDS
 "${BUD[@]}" -t "$RUNTIME_IMAGE" "$WORK/src" > "$WORK/build_runtime.log" 2>&1 \
   || { tail -n 30 "$WORK/build_runtime.log"; fail "runtime stage"; }
-grep -E '^(STEP|COMMIT)' "$WORK/build_runtime.log" || true
+grep -E '^(\[[0-9]+/[0-9]+\] )?(STEP|COMMIT)' "$WORK/build_runtime.log" | cut -c1-160 || true
 note "runtime stage built in $((SECONDS - t)) s (builder layers reused from the cache)"
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ step "what the runtime image holds"
   echo "user: $(id -un) uid=$(id -u) gid=$(id -g); python: $(python --version 2>&1); site-packages: $site"
   echo "torch/include: $([ -e "$site/torch/include" ] && echo present || echo absent); tests dirs: $(find "$site" -type d -name tests | wc -l); __pycache__ dirs: $(find / -xdev -type d -name __pycache__ 2>/dev/null | wc -l); pip cache: $(du -sh /root/.cache/pip 2>/dev/null | cut -f1 || true)$([ -e /root/.cache/pip ] || echo none)"
   python -c "import torch, flash_qla, server; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"| flash_qla\", flash_qla.__version__, \"| kernels in the manifest:\", len(__import__(\"json\").load(open(flash_qla.__path__[0] + \"/_kernels/sm90a/manifest.json\"))[\"kernels\"]))"
-  echo "largest in site-packages: $(du -sm "$site"/* | sort -rn | head -n 6 | awk "{printf \"%s %s MB, \", \$2, \$1}" | sed "s#$site/##g")"
+  echo "largest in site-packages: $(du -sm "$site"/* | sort -rn | head -n 6 | awk "{printf \"%s %s MB; \", \$2, \$1}" | sed -e "s#$site/##g" -e "s/; \$//")"
 ' 2>&1 | tee "$WORK/contents.txt"
 grep -q '^compilers/toolchain on PATH: none' "$WORK/contents.txt" || fail "a compiler or toolchain is in the runtime image"
 grep -q '^tilelang: not importable' "$WORK/contents.txt" || fail "TileLang is importable in the runtime image"

@@ -14,6 +14,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import sys
 from typing import Dict, List
@@ -55,6 +56,7 @@ def layer_steps(config: dict) -> List[str]:
 
 def short(step: str, width: int = 90) -> str:
     step = " ".join(step.replace("/bin/sh -c ", "").split())
+    step = re.sub(r"^\|\d+ (\S+=\S* )*", "RUN ", step)  # a RUN's recorded build arguments: '|3 A=1 B= C=2 cmd'
     return step if len(step) <= width else step[:width - 3] + "..."
 
 
