@@ -48,8 +48,8 @@ def select_backend(device: torch.device, backend: str) -> str:
 
 
 def _kernel_ops():
-    from . import ops  # imported lazily: CPU-only users never touch the loader
-    return ops
+    from . import kernel_api  # imported lazily: CPU-only users never touch the loader
+    return kernel_api
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

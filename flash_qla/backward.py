@@ -33,7 +33,7 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
-    dtypes (dg and dbeta float32; flash_qla/ops.py converts). dg is with respect to the raw g; dh0 is None without an
+    dtypes (dg and dbeta float32; flash_qla/kernel_api.py converts). dg is with respect to the raw g; dh0 is None without an
     initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
     when the caller kept it (FlashQLA's low-level API), read instead of solved again; g_is_cumsum: g is the chunk-local
     cumsum (that API's form; dg is still with respect to the raw g)."""

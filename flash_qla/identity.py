@@ -3,8 +3,9 @@
 Two PyPI distributions install the import name ``flash_qla``: this one (``flash-qla-aot``) and FlashQLA's
 (``flash-qla``, TileLang JIT kernels). pip does not stop the second from writing into the first's folder, so with
 both installed into one environment the folder holds a mix: ``flash_qla/__init__.py`` is whichever was installed
-last, and FlashQLA's ``flash_qla/ops/`` package shadows this package's ``flash_qla/ops.py`` module (Python prefers a
-package to a module of the same name), which breaks this package's kernel path whichever ``__init__.py`` won.
+last, and FlashQLA's packages (``flash_qla/ops/``, ``flash_qla/utils/``) would shadow any module of this package with
+their names (Python prefers a package to a module of the same name): this package names none so, and the check
+below reports any that does.
 ``import flash_qla`` -- what FLA's dispatch and every other caller run -- gets that mix. Installed into different
 folders, the one earlier on ``sys.path`` hides the other completely.
 

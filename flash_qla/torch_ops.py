@@ -1,6 +1,6 @@
 """The kernel path as torch.library custom ops, so torch.compile treats it as one opaque, differentiable op.
 
-`flash_qla::chunk_gdr_fwd` and `flash_qla::chunk_gdr_bwd` wrap flash_qla.ops.run_forward and run_backward with
+`flash_qla::chunk_gdr_fwd` and `flash_qla::chunk_gdr_bwd` wrap flash_qla.kernel_api.run_forward and run_backward with
 fake (meta) implementations for tracing and an autograd formula; the public API routes through them only while
 torch.compile is tracing (`torch.compiler.is_compiling()`), so eager calls keep the direct path and its lower
 host cost. Outputs that do not exist (no final state, no initial state) are empty tensors here, as custom ops
@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import ops
+from . import kernel_api as ops
 from .validation import validate_inputs
 
 

@@ -66,7 +66,7 @@ def profile(fn, calls: int, what: str) -> None:
 
 def breakdown(x, leaves, calls: int) -> dict:
     """Host microseconds of the layers of one call, each alone in a loop of `calls`."""
-    from flash_qla import ops
+    from flash_qla import kernel_api as ops
     from flash_qla.validation import validate_inputs
     dev = x.q.device
     problem = validate_inputs(x.q, x.k, x.v, x.g, x.beta, x.scale, x.h0, x.cu_seqlens)

@@ -88,8 +88,8 @@ class ServiceState:
         if self.config.backend != "kernels":
             return None
         if self._kernel_head_dims is None:
-            from flash_qla import ops
-            self._kernel_head_dims = ops.supported_head_dims()
+            from flash_qla import kernel_api
+            self._kernel_head_dims = kernel_api.supported_head_dims()
         return self._kernel_head_dims
 
     async def check_readiness(self) -> None:

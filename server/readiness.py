@@ -81,8 +81,8 @@ def probe(backend: str) -> ReadyState:
                               f"the kernels are built for sm_90a; {torch.cuda.get_device_name()} is "
                               f"compute capability {major}.{minor}")
         try:
-            from flash_qla import ops
-            built = ops.supported_head_dims()  # loads the precompiled kernel library
+            from flash_qla import kernel_api
+            built = kernel_api.supported_head_dims()  # loads the precompiled kernel library
         except Exception as error:  # noqa: BLE001 - any load failure means not ready, with its text
             return ReadyState(False, "kernels_unavailable", f"the precompiled kernels failed to load: "
                                                             f"{type(error).__name__}: {error}")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_qla import ops, plans
+from flash_qla import kernel_api, plans
 from flash_qla.tuning import override, settings
 from flash_qla.validation import Problem
 
@@ -128,8 +128,8 @@ def _problem(**changes):
 def test_forward_keys_differ_in_what_plans_depend_on(change):
     base = dict(problem=_problem(), device=torch.device("cuda", 0), dtype=torch.bfloat16, has_h0=True,
                 output_final_state=True, use_qk_l2norm=False, want_gate_free_inverse=False)
-    assert ops.forward_key(**base) == ops.forward_key(**base)
-    assert ops.forward_key(**base) != ops.forward_key(**dict(base, **change))
+    assert kernel_api.forward_key(**base) == kernel_api.forward_key(**base)
+    assert kernel_api.forward_key(**base) != kernel_api.forward_key(**dict(base, **change))
 
 
 def test_a_buffer_the_call_freed_and_the_allocator_reused_names_the_new_allocation(native):

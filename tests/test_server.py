@@ -472,7 +472,7 @@ def test_probe_reports_kernels_that_do_not_load(monkeypatch):
     from server import readiness
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setitem(sys.modules, "flash_qla.ops", None)  # import fails as if the library were missing
-    monkeypatch.delattr(flash_qla, "ops", raising=False)     # ...even when another test imported it already
+    monkeypatch.setitem(sys.modules, "flash_qla.kernel_api", None)  # import fails as if the library were missing
+    monkeypatch.delattr(flash_qla, "kernel_api", raising=False)     # ...even when another test imported it already
     verdict = readiness.probe("kernels")
     assert not verdict.ready and verdict.reason == "kernels_unavailable"
