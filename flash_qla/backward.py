@@ -193,7 +193,8 @@ def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
     dq, dk, dbeta, dgamma = chunk_gradients(
         qs, ks, to_slots(do_p, m), to_slots(saved["w"], m), to_slots(saved["vnew"], m),
         to_slots(x, m), to_slots(dv.reshape(-1, *dv.shape[-2:]), m), hs, dhs,
-        to_slots(saved["A"], m), to_slots(saved["beta"], m), gamma, valid, problem.scale)
+        to_slots(saved["A"].reshape(-1, *saved["A"].shape[-2:]), m), to_slots(saved["beta"], m), gamma, valid,
+        problem.scale)
     shape = (problem.batch, problem.tokens)
     dq = from_slots(dq, m).unflatten(1, (Hq, ratio)).sum(2).unflatten(0, shape)
     dk = from_slots(dk, m).unflatten(1, (Hq, ratio)).sum(2).unflatten(0, shape)
