@@ -15,8 +15,8 @@
 set -euo pipefail
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
-LAYER="${1:?usage: gpu_layer_smoke.sh LAYER.tar.gz [WHEEL_DIR]}"
-WHEELS="${2:-}"
+LAYER="$(realpath "${1:?usage: gpu_layer_smoke.sh LAYER.tar.gz [WHEEL_DIR]}")"
+WHEELS="$(realpath "${2:-.}")"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${WORK:-/tmp/flash_qla_gpu_layer}"
 PY="${PYTHON:-python3}"
@@ -26,12 +26,15 @@ stop() { [ -z "$SERVER_PID" ] || { kill -TERM "$SERVER_PID" 2>/dev/null || true;
 trap stop EXIT
 
 rm -rf "$WORK"; mkdir -p "$WORK/layer" "$WORK/app" "$WORK/swap"
+# Every Python below starts in the app folder (the image's WORKDIR): started from a checkout, `python -c` and
+# `-m` would import the checkout's flash_qla / server instead of the layer's.
+cd "$WORK/app"
 tar -xzf "$LAYER" -C "$WORK/layer"
 SITE="$(ls -d "$WORK"/layer/usr/local/lib/python3*/*-packages | head -n 1)"
 layer_py="$(basename "$(dirname "$SITE")")"
 here_tag="$("$PY" -c 'import sys; print(f"cpython-{sys.version_info[0]}{sys.version_info[1]}")')"
 echo "layer: $(du -sh "$WORK/layer" | cut -f1) unpacked, site-packages of $layer_py: $(ls "$SITE" | grep -vc -E 'dist-info$') packages"
-echo "this machine: $("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))')"
+echo "this machine: $("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "(no GPU)")')"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 
 # Extension packages built for another Python than this one.
@@ -54,7 +57,7 @@ chmod -R a+rX "$WORK"
 
 "$PY" -c "import flash_qla, server, fastapi; assert flash_qla.__file__.startswith('$SITE'), flash_qla.__file__; print('flash_qla from', flash_qla.__file__); print('fastapi', fastapi.__version__)"
 if "$PY" -c "import tilelang" 2>/dev/null; then echo "note: tilelang is importable on this machine (the image has none)"; fi
-(cd "$WORK/app" && "$PY" -m flash_qla info 2>&1 | tail -n 12)
+"$PY" -m flash_qla info 2>&1 | tail -n 12
 
 RUNAS=()
 if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null \
@@ -63,12 +66,12 @@ if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null \
   RUNAS=(setpriv --reuid=10001 --regid=10001 --clear-groups)
 fi
 echo "server runs as uid $([ ${#RUNAS[@]} -gt 0 ] && echo 10001 || id -u)"
-(cd "$WORK/app" && exec "${RUNAS[@]}" env HOME="$WORK/app" PYTHONPATH="$PYTHONPATH" \
-   "$PY" -m server --backend kernels --host 127.0.0.1 --port "$PORT") > "$WORK/server.log" 2>&1 &
+"${RUNAS[@]}" env HOME="$WORK/app" PYTHONPATH="$PYTHONPATH" \
+  "$PY" -m server --backend kernels --host 127.0.0.1 --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 status=0
-(cd "$WORK/app" && "$PY" "$REPO/ci/container_smoke_client.py" --url "http://127.0.0.1:$PORT" --expect-ready \
-   --expect-backend kernels --tol 1e-2 --pid "$SERVER_PID") || status=$?
+"$PY" "$REPO/ci/container_smoke_client.py" --url "http://127.0.0.1:$PORT" --expect-ready \
+  --expect-backend kernels --tol 1e-2 --pid "$SERVER_PID" || status=$?
 stop; SERVER_PID=""
 echo "--- server log (tail) ---"; tail -n 15 "$WORK/server.log"
 exit "$status"
