@@ -1,8 +1,8 @@
 """Host cost of the kernel path's eager calls: CPU microseconds per call in a host-bound loop.
 
-For each shape, after the calls that record its plans, N calls are queued back to back and the CPU time of the
-loop is divided by N (then the device is synchronised, outside the timing). The device runs behind the host,
-so this is what a serving engine or a training loop pays on the CPU per call. Forward: ``chunk_gated_delta_rule``
+For each shape, after the calls that record its plans, N calls are queued back to back behind a sleep kernel that keeps
+the device busy, and the CPU time of the loop is divided by N (then the device is synchronised, outside the
+timing): what a serving engine or a training loop pays on the CPU per call, whether or not the device is slower. Forward: ``chunk_gated_delta_rule``
 under no_grad; forward + backward: the same call with gradients on every input, then ``autograd.backward`` on o
 and the final state. Shapes: the standard matrix's forward rows, plus small batches (1 x 64 tokens, 5 + 17 + 130,
 37 x 48, 256 x 8) with TP8's heads (hq 2, hv 8) and TP1-397B's (16, 64).
@@ -26,6 +26,7 @@ from flash_qla import plans
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import BenchRow, iter_rows, load_matrix
 
+SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H100's / H200's clocks: longer than any loop below queues
 SMALL = [("1x64", (64,)), ("5+17+130", (5, 17, 130)), ("37x48", (48,) * 37), ("256x8", (8,) * 256)]
 SMALL_HEADS = [("TP8", 2, 8), ("TP1-397B", 16, 64)]
 
@@ -38,11 +39,14 @@ def shapes(filter_: str):
             yield BenchRow("fwd", model, hq, hv, label, lens, 128)
 
 
-def host_us(fn, calls: int, repeats: int = 3) -> float:
-    """Median over repeats of (CPU seconds to queue `calls` calls) / calls, in microseconds."""
+def host_us(fn, calls: int, repeats: int = 5) -> float:
+    """Median over repeats of (CPU seconds to queue `calls` calls) / calls, in microseconds. The device is held
+    busy (torch.cuda._sleep) for the whole loop, so no queued call runs and none is waited for: the loop's time is
+    the host's alone, whatever the device time of the shape."""
     out = []
     for _ in range(repeats):
         torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -94,7 +98,9 @@ def breakdown(x, leaves, calls: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--calls", type=int, default=100, help="calls queued per timing (forward + backward: a third)")
+    ap.add_argument("--calls", type=int, default=30,
+                    help="calls queued per timing (forward + backward: a third); few enough that the launch queue "
+                         "never fills")
     ap.add_argument("--rows", default="", help="only shapes whose key contains this")
     ap.add_argument("--profile", action="store_true", help="print each shape's cProfile (top functions by own time)")
     ap.add_argument("--breakdown", action="store_true",
@@ -139,7 +145,7 @@ def main() -> int:
         print(json.dumps(r), flush=True)
         rows.append(r)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "method": "CPU time per call of N calls queued back to back (median of 3 loops), plans recorded first",
+           "method": "CPU time per call of N calls queued behind a device sleep (median of 5 loops), plans recorded first",
            "rows": rows}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
