@@ -14,7 +14,7 @@ import torch
 from . import plans
 from .backward import backward
 from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, per_sequence
-from .launch import current_stream, dense, packed, supported_head_dims
+from .launch import current_stream, dense, packed, side_stream, supported_head_dims
 from .tuning import settings
 from .validation import Problem, validate_kernel_inputs
 
@@ -71,7 +71,7 @@ def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_
             return (o, A) + ht.tensors(), functools.partial(_finish_forward_cp, count=ht.count)
         return (o, A, ht), _finish_forward
 
-    o, ht, A = plans.call(key, inputs, dev, current_stream(dev), record)
+    o, ht, A = plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
     return o, ht, A, inputs[-1]
 
 
@@ -108,7 +108,7 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
                     functools.partial(_finish_backward_cp, count=dh0.count, dtypes=dtypes))
         return (dq, dk, dv, dg, dbeta, dh0), functools.partial(_finish_backward, dtypes=dtypes)
 
-    return plans.call(key, inputs, dev, current_stream(dev), record)
+    return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):

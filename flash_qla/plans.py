@@ -213,7 +213,7 @@ class Plan:
     finish: Callable
     device: torch.device
 
-    def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int):
+    def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int, side_stream: Callable):
         dev = self.device
         if settings.poison_outputs:
             outs = [_fill(shape, dtype, dev) for shape, dtype in self.outputs]
@@ -225,7 +225,6 @@ class Plan:
         pointers += [o.data_ptr() for o in outs]
         pointers.append(0 if ws is None else ws.data_ptr())
         if self.side_streams:
-            from .launch import side_stream
             streams = (stream,) + tuple(side_stream(dev, name).cuda_stream for name in self.side_streams)
         else:
             streams = (stream,)
@@ -260,8 +259,9 @@ def _fill(shape, dtype, device) -> torch.Tensor:
 
 
 def call(key: tuple, inputs: Sequence[Optional[torch.Tensor]], device: torch.device, stream: int,
-         record: Callable[[], Tuple[Sequence[Optional[torch.Tensor]], Callable]]):
-    """Run the plan for ``key`` on ``inputs``, recording it first if there is none.
+         record: Callable[[], Tuple[Sequence[Optional[torch.Tensor]], Callable]], side_stream: Callable):
+    """Run the plan for ``key`` on ``inputs``, recording it first if there is none. ``side_stream(device, name)``
+    gives the named side streams a replay runs on beside the caller's ``stream`` (flash_qla.launch.side_stream).
 
     ``record()`` runs the call as written and returns (results, finish): the tensors the call produced and the
     function that turns them into what the caller gets (``finish(*results)``); finish must hold no tensors of its
@@ -279,7 +279,7 @@ def call(key: tuple, inputs: Sequence[Optional[torch.Tensor]], device: torch.dev
             results, finish = record()
             return finish(*results)
         _stats["replayed"] += 1
-        return plan.replay(inputs, stream)
+        return plan.replay(inputs, stream, side_stream)
     rec = Recorder(inputs, stream)
     _local.recorder = rec
     try:

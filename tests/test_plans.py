@@ -88,12 +88,12 @@ def test_call_records_once_then_replays(native):
     x = torch.ones(8)
     calls = []
     for _ in range(3):
-        plans.call(("k", 1), (x,), DEV, 0, _recorded_call(x, calls))
+        plans.call(("k", 1), (x,), DEV, 0, _recorded_call(x, calls), None)
     assert len(calls) == 1 and len(native.runs) == 2
     assert native.runs[-1][2] == (x.data_ptr(), native.runs[-1][2][1], 0)  # input, output, no workspace
     assert plans.stats()["recorded"] == 1 and plans.stats()["replayed"] == 2
     with override(replay=False):  # as written: records nothing, replays nothing
-        plans.call(("k", 1), (x,), DEV, 0, _recorded_call(x, calls))
+        plans.call(("k", 1), (x,), DEV, 0, _recorded_call(x, calls), None)
     assert len(calls) == 2 and len(native.runs) == 2
 
 
@@ -101,7 +101,7 @@ def test_plan_cache_is_bounded(native):
     x = torch.ones(8)
     with override(plan_cache_size=3):
         for i in range(10):
-            plans.call(("k", i), (x,), DEV, 0, _recorded_call(x, []))
+            plans.call(("k", i), (x,), DEV, 0, _recorded_call(x, []), None)
         assert plans.stats()["cached"] == 3 and plans.stats()["evicted"] == 7
 
 
