@@ -468,6 +468,93 @@ class _ReverseExchange(torch.autograd.Function):
         return do, dht, None, None, None, None, None, None
 
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# the side stream and the correction by the entering state
+
+_ROW0_ERROR = ("initial_state row 0 belongs to global sequence {seq}, continued from rank {prev}: its entering state "
+               "comes from there, so the row must be zero")
+
+
+class _Side:
+    """On CUDA, a high-priority stream that runs the boundary, the exchange and the correction beside the main pass
+    (it waits only for what the main stream had queued when it was made); elsewhere a no-op. Host reads made inside
+    it (the warm-up decisions) wait for this stream alone, not for the main pass."""
+    _streams: dict = {}
+
+    def __init__(self, device: torch.device):
+        self.stream = None
+        if device.type != "cuda":
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.main = torch.cuda.current_stream(index)
+        self.stream = _Side._streams.get(index)
+        if self.stream is None:
+            self.stream = _Side._streams[index] = torch.cuda.Stream(device=index, priority=-1)
+        self.stream.wait_stream(self.main)
+
+    def __enter__(self):
+        self._ctx = torch.cuda.stream(self.stream) if self.stream is not None else None
+        if self._ctx is not None:
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+        return False
+
+    def keep(self, t: Optional[torch.Tensor]) -> None:
+        """t (made on the main stream) is read on the side stream: its memory is not reused before that is done."""
+        if self.stream is not None and t is not None:
+            t.record_stream(self.stream)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            self.main.wait_stream(self.stream)
+
+
+@dataclass
+class _Fix:
+    o: torch.Tensor           # [1, w, Hv, V]: the entering state's part of o over the first w tokens
+    state: torch.Tensor       # [Hv, K, V]: the entering state's part of the state after them
+    exact: bool               # w covers the whole first local sequence
+    small: bool               # else: that state is below e^-10 of the entering state (the warm-up bound)
+
+
+def _correction(call: _Call, ctx: CPContext, x, h_in: torch.Tensor, o_dtype: torch.dtype) -> _Fix:
+    """The entering state's part of o (the recurrence is linear in (entering state, v)): the first local sequence
+    run from h_in with v = 0 over its first ``warmup_tokens`` tokens (all of it when shorter, or with
+    warmup_tokens = 0), differentiable in q, k, g, beta (h_in is a constant here: its gradient goes to the earlier
+    ranks through the reverse exchange)."""
+    q, k, g, beta = x
+    n0 = int(ctx.cu_seqlens_cpu[1])
+    w = n0 if ctx.warmup_tokens == 0 else min(n0, ctx.warmup_tokens)
+    Hv, K, V = h_in.shape
+    v0 = torch.zeros(1, w, Hv, V, dtype=o_dtype, device=q.device)
+    o_c, s_c = call.run(q[:, :w], k[:, :w], v0, g[:, :w], beta[:, :w], h_in[None].detach())
+    if w == n0:
+        return _Fix(o_c, s_c[0], True, True)
+    left = torch.linalg.vector_norm(s_c[0].detach().double(), dim=(-2, -1))
+    bound = TRANSITION_NORM_BOUND * torch.linalg.vector_norm(h_in.double(), dim=(-2, -1))
+    return _Fix(o_c, s_c[0], False, bool((left <= bound).all()))
+
+
+class _AddPrefix(torch.autograd.Function):
+    """o[:, :w] += p in place (o is the main pass's output, too large to copy): the gradient passes to both."""
+
+    @staticmethod
+    def forward(fctx, o, p):
+        fctx.w = p.shape[1]
+        o[:, :p.shape[1]].add_(p)
+        fctx.mark_dirty(o)
+        return o
+
+    @staticmethod
+    def backward(fctx, do):
+        return do, do[:, :fctx.w]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # public entry point
 
@@ -508,41 +595,59 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, Hv // problem.num_qk_heads, state_dtype)
     linked = ctx.world_size > 1 and ctx.has_links
-    if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
-        raise ValueError(f"initial_state row 0 belongs to global sequence {ctx.seq_ids[0]}, continued from rank "
-                         f"{ctx.rank - 1}: its entering state comes from there, so the row must be zero")
-
     if not linked:
+        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
 
-    with torch.no_grad(), torch.profiler.record_function("cp.forward.boundary"):
-        C = torch.zeros(Hv, K, V, dtype=state_dtype, device=q.device)
-        M = None
-        if ctx.post_num_ranks > 0:                              # this rank's last sequence goes on: forward part
-            a = int(ctx.cu_seqlens_cpu[-2])
-            n = ctx.part_len - a
-            starts_here = ctx.num_seqs > 1 or ctx.pre_num_ranks == 0
-            xs = tuple(t.detach()[:, a:] for t in (q, k, v, g, beta))
-            own = None
-            if starts_here:
-                h0 = initial_state[-1:].detach() if initial_state is not None else \
-                    q.new_zeros(1, Hv, K, V, dtype=state_dtype)
-                own = {"h0": h0.to(state_dtype)}
-            C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=False)
-    with torch.no_grad(), torch.profiler.record_function("cp.forward.exchange"):
-        Cs, Ms = _all_gather(ctx, C, M)
-        h_in = _entering_state(ctx, Cs, Ms) if ctx.pre_num_ranks > 0 else None
-
-    if h_in is not None:
-        rows = [h_in[None].to(initial_state.dtype if initial_state is not None else state_dtype)]
-        if ctx.num_seqs > 1:
-            rest = initial_state[1:] if initial_state is not None else \
-                rows[0].new_zeros(ctx.num_seqs - 1, Hv, K, V)
-            rows.append(rest)
-        h_init = torch.cat(rows)
-    else:
-        h_init = initial_state
-    o, ht = _run_local(call, ctx, q, k, v, g, beta, h_init, True)
+    # The main pass starts at once, with zero entering state for a sequence continued from an earlier rank; the
+    # boundary, the exchange and the correction by the entering state run beside it on a side stream.
+    h_own = initial_state
+    if initial_state is not None and ctx.pre_num_ranks > 0:   # row 0 enters from the chain: it gets no gradient
+        h_own = torch.cat([torch.zeros_like(initial_state[:1]), initial_state[1:]])
+    side = _Side(q.device)
+    with torch.profiler.record_function("cp.forward.local"):
+        o, ht = _run_local(call, ctx, q, k, v, g, beta, h_own, True)
+    with side:
+        for t in (q, k, v, g, beta, initial_state):
+            side.keep(t)
+        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        with torch.no_grad(), torch.profiler.record_function("cp.forward.boundary"):
+            C = torch.zeros(Hv, K, V, dtype=state_dtype, device=q.device)
+            M = None
+            if ctx.post_num_ranks > 0:                              # this rank's last sequence goes on: forward part
+                a = int(ctx.cu_seqlens_cpu[-2])
+                n = ctx.part_len - a
+                starts_here = ctx.num_seqs > 1 or ctx.pre_num_ranks == 0
+                xs = tuple(t.detach()[:, a:] for t in (q, k, v, g, beta))
+                own = None
+                if starts_here:
+                    h0 = initial_state[-1:].detach() if initial_state is not None else \
+                        q.new_zeros(1, Hv, K, V, dtype=state_dtype)
+                    own = {"h0": h0.to(state_dtype)}
+                C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=False)
+        with torch.no_grad(), torch.profiler.record_function("cp.forward.exchange"):
+            Cs, Ms = _all_gather(ctx, C, M)
+            h_in = _entering_state(ctx, Cs, Ms) if ctx.pre_num_ranks > 0 else None
+        fix = None
+        if h_in is not None:
+            with torch.profiler.record_function("cp.forward.correction"):
+                fix = _correction(call, ctx, (q, k, g, beta), h_in, v.dtype)
+    side.join()
+    if fix is None:
+        pass
+    elif fix.exact or fix.small:
+        if torch.is_grad_enabled() and (o.requires_grad or fix.o.requires_grad):
+            o = _AddPrefix.apply(o, fix.o)
+        else:
+            o[:, :fix.o.shape[1]].add_(fix.o)
+        if fix.exact:                                           # the correction covered the whole first sequence
+            ht = torch.cat([ht[:1] + fix.state[None], ht[1:]])
+    else:                                                       # the entering state outlives the window: exact pass
+        h_init = torch.cat([h_in[None].to(ht.dtype if h_own is None else h_own.dtype),
+                            h_own[1:] if h_own is not None else ht.new_zeros(ctx.num_seqs - 1, Hv, K, V)])
+        o, ht = _run_local(call, ctx, q, k, v, g, beta, h_init, True)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, o, ht)):
         o, ht = _ReverseExchange.apply(o, ht, q, k, v, g, beta, _Spec(ctx, call))
     return o, (ht if output_final_state else None)

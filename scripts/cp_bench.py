@@ -3,7 +3,8 @@ NCCL), forward and backward, ours (flash_qla.distributed; the plain single-GPU c
 ``fla.ops.cp`` (run with the peers' bundle on PYTHONPATH: scripts/peer_env.sh .peers fla python3 ...).
 
 usage: python3 scripts/cp_bench.py --lib ours|fla --out-dir DIR [--worlds 1,2,4] [--tokens 131072,524288,1048576]
-                                   [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10]
+                                   [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10] [--commit SHA]
+                                   [--profile [--trace FILE]]
 Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms]} to DIR/<card>.jsonl.
 ms: the median over iterations of the slowest rank's wall time of one call (synchronised before and after, so the
 host synchronisations inside the call count). local_ms (ours, world size > 1): the same for the plain single-GPU
@@ -121,6 +122,8 @@ def worker(rank, world, args, init_file, out_path):
             for pass_ in args.passes.split(","):
                 row = dict(lib=lib, pass_=pass_, world_size=world, tokens=tokens, hq=hq, hv=hv, ms=None,
                            card=card_name())
+                if args.commit:
+                    row["commit"] = args.commit
                 try:
                     if pass_ == "fwd":
                         x, _ = shard(P, hq, hv, rank, device, False)
@@ -147,13 +150,14 @@ def worker(rank, world, args, init_file, out_path):
                     print(json.dumps(row), flush=True)
                     with open(out_path, "a") as f:
                         f.write(json.dumps(row) + "\n")
-    if args.profile and world > 1 and args.lib == "ours":
+    if args.profile and world > 1 and world == max(map(int, args.worlds.split(","))) and args.lib == "ours":
         profile(call_args=(args, world, rank, device))
     dist.destroy_process_group()
 
 
 def profile(call_args):
-    """One CP forward and one backward of the last configuration under torch.profiler; rank 1 prints its table."""
+    """One CP forward and one backward of the last configuration under torch.profiler; rank 1 prints its tables (by
+    host time and by device time) and, with --trace, writes its Chrome trace there."""
     args, world, rank, device = call_args
     hq, hv = map(int, args.heads.split(",")[-1].split("/"))
     tokens = int(args.tokens.split(",")[-1])
@@ -171,7 +175,10 @@ def profile(call_args):
         sync_all(device)
     if rank == 1:  # a middle rank: both boundaries (rank 0 has no reverse part)
         print(f"profile: world {world} tokens {tokens} hq {hq} hv {hv} (rank 1)", flush=True)
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60))
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
 
 
 def main(argv=None):
@@ -184,7 +191,10 @@ def main(argv=None):
     p.add_argument("--passes", default="fwd,bwd")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of the last configuration")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler tables of the last configuration at the largest world size")
+    p.add_argument("--trace", default=None, help="with --profile: write rank 1's Chrome trace to this file")
+    p.add_argument("--commit", default=None, help="the code's commit, recorded in every row")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run over gloo")
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)

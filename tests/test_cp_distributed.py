@@ -64,6 +64,9 @@ CASES = [
     # a 120-token window: the 0.3-decay head's gate reaches -10 after ~25 tokens; the g = 0 and 0.02-decay heads'
     # transitions over 120 unit keys in K = 4 are measured, most below the bound (the measured shortcut), some not
     ("one_sequence_probe", 4, 128, [0, 512], 2, 4, 4, 8, [0.0, 0.3, 0.02, 8.0], 120, False, 2e-4),
+    # a 16-token window in K = 16: the g = 0 head's entering state outlives it, so the rank runs its main pass again
+    # from the exact entering state (the 8.0-decay head's correction alone would have been enough)
+    ("window_too_short", 2, 64, [0, 128], 1, 2, 16, 8, [0.0, 8.0], 16, False, 2e-4),
     ("boundaries_between_sequences", 4, 64, [0, 64, 128, 200, 256], 2, 2, 8, 8, [0.0, 2.0], 8192, False, 1e-9),
 ]
 
@@ -166,7 +169,7 @@ def test_context_metadata_without_a_group():
 
 
 def test_two_ranks_against_fp64_loop(tmp_path):
-    _spawn(2, {"crossing_default", "crossing_exact", "crossing_exact_split"}, tmp_path)
+    _spawn(2, {"crossing_default", "crossing_exact", "crossing_exact_split", "window_too_short"}, tmp_path)
 
 
 def test_four_ranks_against_fp64_loop(tmp_path):
