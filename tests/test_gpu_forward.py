@@ -182,6 +182,7 @@ def test_hundred_repeats_are_bit_identical(path, block_v, monkeypatch):
 
 @pytest.mark.parametrize("path,block_v", PATH_BLOCKS)
 def test_cuda_graph_capture_replays_exactly(path, block_v, monkeypatch):
+    """The eager call records the call's plan; the capture replays it (flash_qla/plans.py) into the graph."""
     pin_path(monkeypatch, path, block_v)
     x = draw([500, 64, 3], 2, 4, 128, 128, torch.bfloat16, seed=13)
     o_eager, ht_eager = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
