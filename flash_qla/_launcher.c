@@ -727,6 +727,31 @@ static int get_dim3(PyObject *o, unsigned out[3], const char *what) {
     return 0;
 }
 
+/* A scalar argument ('i', 'l', 'f') as the bits cuLaunchKernel reads, into *out. `what` names the caller in errors. */
+static int parse_scalar(char kind, PyObject *a, uint64_t *out, const char *what, Py_ssize_t idx) {
+    *out = 0;
+    if (kind == 'f') {
+        double d = PyFloat_AsDouble(a);
+        if (d == -1.0 && PyErr_Occurred()) return -1;
+        float x = (float)d;
+        memcpy(out, &x, sizeof x);
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(a);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (kind == 'i') {
+        if (v < INT32_MIN || v > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "%s: argument %zd ('i') = %lld does not fit int32", what, idx, v);
+            return -1;
+        }
+        int32_t x = (int32_t)v;
+        memcpy(out, &x, sizeof x);
+    } else {
+        memcpy(out, &v, sizeof v);
+    }
+    return 0;
+}
+
 static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_Format(PyExc_TypeError,
@@ -794,31 +819,12 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t nar
             params[i] = &scalars[i];
             break;
         }
-        case 'i': {
-            long long v = PyLong_AsLongLong(a);
-            if (v == -1 && PyErr_Occurred()) return NULL;
-            if (v < INT32_MIN || v > INT32_MAX)
-                return PyErr_Format(PyExc_OverflowError, "launch: argument %zd ('i') = %lld does not fit int32", i, v);
-            int32_t x = (int32_t)v;
-            memcpy(&scalars[i], &x, sizeof x);
+        case 'i':
+        case 'l':
+        case 'f':
+            if (parse_scalar(sig[i], a, &scalars[i], "launch", i) < 0) return NULL;
             params[i] = &scalars[i];
             break;
-        }
-        case 'l': {
-            long long v = PyLong_AsLongLong(a);
-            if (v == -1 && PyErr_Occurred()) return NULL;
-            memcpy(&scalars[i], &v, sizeof v);
-            params[i] = &scalars[i];
-            break;
-        }
-        case 'f': {
-            double d = PyFloat_AsDouble(a);
-            if (d == -1.0 && PyErr_Occurred()) return NULL;
-            float x = (float)d;
-            memcpy(&scalars[i], &x, sizeof x);
-            params[i] = &scalars[i];
-            break;
-        }
         case 'm': {
             if (nmaps == MAX_TMAPS) return PyErr_Format(PyExc_ValueError, "launch: too many tensor maps");
             const CUtensorMap *m = tensormap_for(a, i, fn);
@@ -1006,31 +1012,11 @@ static int parse_launch_op(PyObject *item, ProgOp *op, int nslots, int nstreams,
         case 'p':
             if (parse_address(a, nslots, &op->slot[i], &op->value[i], index, i) < 0) return -1;
             break;
-        case 'i': {
-            long long v = PyLong_AsLongLong(a);
-            if (v == -1 && PyErr_Occurred()) return -1;
-            if (v < INT32_MIN || v > INT32_MAX) {
-                PyErr_Format(PyExc_OverflowError, "program op %d argument %zd ('i') = %lld does not fit int32", index,
-                             i, v);
-                return -1;
-            }
-            int32_t x = (int32_t)v;
-            memcpy(&op->value[i], &x, sizeof x);
+        case 'i':
+        case 'l':
+        case 'f':
+            if (parse_scalar(sig[i], a, &op->value[i], "program_new", i) < 0) return -1;
             break;
-        }
-        case 'l': {
-            long long v = PyLong_AsLongLong(a);
-            if (v == -1 && PyErr_Occurred()) return -1;
-            memcpy(&op->value[i], &v, sizeof v);
-            break;
-        }
-        case 'f': {
-            double d = PyFloat_AsDouble(a);
-            if (d == -1.0 && PyErr_Occurred()) return -1;
-            float x = (float)d;
-            memcpy(&op->value[i], &x, sizeof x);
-            break;
-        }
         case 'm': {
             if (op->ntm == MAX_TMAPS) {
                 PyErr_Format(PyExc_ValueError, "program op %d: too many tensor maps", index);
