@@ -71,10 +71,9 @@ def launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers
         kernel = _CACHE[key] = loader.library().kernel(name, **variant)
     if stream is None:
         stream = current_stream(device)
-    kernel.launch(device.index, stream, sizes, pointers)
+    grid, args = kernel.launch(device.index, stream, sizes, pointers)
     rec = plans.recorder()
     if rec is not None:
-        grid, args = kernel.build_args(sizes, pointers)
         rec.launch(kernel, kernel.load(device.index), grid, stream, args)
 
 

@@ -161,8 +161,10 @@ class Kernel:
         return device in self._functions
 
     # -- launching -----------------------------------------------------------------------------------------
-    def launch(self, device: int, stream: int, sizes: Mapping[str, Any], pointers: Mapping[str, int]) -> None:
-        """Launch on ``stream`` (a CUstream handle as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
+    def launch(self, device: int, stream: int, sizes: Mapping[str, Any], pointers: Mapping[str, int]
+               ) -> Tuple[tuple, tuple]:
+        """Launch on ``stream`` (a CUstream handle as int, e.g. ``torch.cuda.current_stream().cuda_stream``) and
+        return the (grid, args) it passed (a plan's recording keeps them: flash_qla/plans.py).
 
         ``sizes`` maps run-time size names to ints (f32 params may name floats); ``pointers`` maps pointer names
         (ptr params and tensor-map addresses) to device addresses. No synchronisation, no allocation:
@@ -177,6 +179,7 @@ class Kernel:
         except CudaDriverError as e:
             raise CudaDriverError(f"kernel {self.key} on device {device}: {e.what}", e.code, e.name,
                                   e.description) from None
+        return grid, args
 
 
 class KernelLibrary:
