@@ -31,8 +31,14 @@ exp(g_t) (I - beta_t k_t k_t^T) (K x K). Forward, on a rank whose last sequence 
      starts on this rank, M = 0) or, for a rank lying inside one sequence that continues both ways, Z from zero and
      the exact transition M over the whole shard.
 Then one all-gather of (Z, M) and each rank folds its chain: h_in[r] = Z[j] then h = Z[s] + M[s] h for the ranks s
-between the sequence's start rank j and r. The local pass runs the public ``flash_qla.chunk_gated_delta_rule``
-(the sm_90a kernels on CUDA, the reference on CPU) with h_in as its entering state.
+between the sequence's start rank j and r. The main pass (the public ``flash_qla.chunk_gated_delta_rule``: the
+sm_90a kernels on CUDA, the reference on CPU) does not wait for h_in: it starts at once with zero entering state for
+the continued sequence, and everything above runs beside it (on CUDA a high-priority side stream; its host reads wait
+for that stream alone). The recurrence is linear in (entering state, v), so h_in's part is added afterwards: the
+first ``warmup_tokens`` tokens of that sequence (all of them when it is shorter, or with warmup_tokens = 0) run from
+h_in with v = 0, their o is added to the main pass's in place, and their leaving state to the final state where they
+cover the whole sequence. Where they do not and that state is still above e^-10 of h_in (a head whose gate and keys
+have not forgotten it yet), the main pass runs again from h_in: exact, and the only case that waits for the exchange.
 Backward, the reverse direction: the gradient of the state leaving rank r is the gradient of the state entering
 rank r + 1, dh_in = M^T dh_out + D, with D the gradient that rank's tokens alone give (zero dht). Each rank whose
 first sequence is continued computes D over its first tokens (the reverse warm-up: the fewest leading tokens whose
@@ -271,15 +277,20 @@ def _state_gradient(call: _Call, x, do, dht, want_transition: bool):
 
 def _gate_windows(g, beta, k, call: _Call, reverse: bool, limit: int):
     """Per v-head, the fewest tokens (from the range's end, or its start with reverse) whose summed g is
-    <= WARMUP_LOG_DECAY with every factor non-expansive over the ``limit`` tokens considered, else 0."""
+    <= WARMUP_LOG_DECAY with every factor non-expansive over the ``limit`` tokens considered, else 0.
+
+    The running sums are taken along the innermost dimension ([Hv, w]): a scan along the token dimension of the
+    [w, Hv] layout runs Hv threads serially over w tokens (milliseconds in float64 at w = 8192). The
+    non-expansiveness test is a min / max, so k and beta are read in place, never flipped."""
     if limit == 0:
         return [0] * g.shape[2]
-    gw = g[0, :limit] if reverse else g[0, -limit:].flip(0)            # [w, Hv], nearest the boundary first
-    kw = k[0, :limit] if reverse else k[0, -limit:].flip(0)
-    bw = beta[0, :limit] if reverse else beta[0, -limit:].flip(0)
-    sums = gw.double().cumsum(0)
-    hit = sums <= WARMUP_LOG_DECAY
-    first = torch.where(hit.any(0), hit.int().argmax(0) + 1, torch.zeros_like(hit[0], dtype=torch.long))
+    gw = (g[0, :limit] if reverse else g[0, -limit:]).double().t().contiguous()     # [Hv, w]
+    if not reverse:
+        gw = gw.flip(-1)                                                            # nearest the boundary first
+    hit = gw.cumsum(-1) <= WARMUP_LOG_DECAY
+    first = torch.where(hit.any(-1), hit.int().argmax(-1) + 1, torch.zeros_like(hit[:, 0], dtype=torch.long))
+    kw = k[0, :limit] if reverse else k[0, -limit:]
+    bw = beta[0, :limit] if reverse else beta[0, -limit:]
     kk = torch.ones_like(bw, dtype=torch.float32) if call.l2norm else \
         (kw.float() ** 2).sum(-1).repeat_interleave(call.group_size, dim=1)
     bkk = bw.float() * kk
