@@ -176,26 +176,16 @@ def kernel_extras(fn, **candidates) -> dict:
     return {n: x for n, x in candidates.items() if x is not None and (accepted is None or n in accepted)}
 
 
-def _distributed():
-    """flash_qla.distributed when this build has it, else the reason it does not."""
-    try:
-        from . import distributed
-    except ImportError as e:  # the module is optional; its absence is reported where a context is passed
-        return None, f"{type(e).__name__}: {e}"
-    return distributed, None
-
-
 def _run_cp(cp_context, q, k, v, g, beta, scale, h0, need_final: bool, l2norm: bool, backend: str):
-    """Route a call with a cp_context to the multi-GPU path, or say clearly why it cannot go there."""
-    module, why = _distributed()
-    kind = f"{type(cp_context).__module__}.{type(cp_context).__qualname__}"
-    if module is None:
-        raise TypeError(f"cp_context needs flash_qla.distributed, which is not available here ({why}); got a {kind}")
-    if not isinstance(cp_context, module.CPContext):
+    """Route a call with a cp_context to the multi-GPU path: flash_qla.distributed's CPContext runs it (so this
+    module never imports that one), any other object is an error that names it."""
+    run = getattr(cp_context, "run_chunk_gated_delta_rule", None)
+    if run is None:
+        kind = f"{type(cp_context).__module__}.{type(cp_context).__qualname__}"
         raise TypeError(f"cp_context must be a flash_qla.distributed.CPContext (made by flash_qla.build_cp_context), "
                         f"got a {kind}: contexts of FLA or FlashQLA describe their own kernels' partition and cannot "
                         f"drive these kernels")
-    return module.chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, h0, need_final, l2norm, cp_context, backend)
+    return run(q, k, v, g, beta, scale, h0, need_final, l2norm, backend)
 
 
 def _check_output_buffer(output, v: torch.Tensor, problem: Problem) -> None:

@@ -92,6 +92,13 @@ class CPContext:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
+    def run_chunk_gated_delta_rule(self, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                   use_qk_l2norm_in_kernel, backend):
+        """The public API's route for ``cp_context=self`` (flash_qla.api calls it, so the API needs no import of
+        this module): :func:`chunk_gated_delta_rule_cp` on this context."""
+        return chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                         use_qk_l2norm_in_kernel, self, backend)
+
     @property
     def is_first_rank(self) -> bool:
         """Local sequence 0 starts on this rank (FLA's name)."""
