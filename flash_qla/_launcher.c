@@ -1090,19 +1090,28 @@ static PyObject *py_program_new(PyObject *self, PyObject *args) {
             goto fail;
         }
     }
-    /* Events belong to a context: the current one, else the one the program's kernels were loaded into. */
+    /* Events must share a context with the streams they join: the program's kernels' context (its device's, as
+       the streams are), whatever context this thread has current; the thread's own is restored after. */
+    CUcontext prev = NULL, own = NULL;
+    if (first_fn != NULL) {
+        pthread_mutex_lock(&g_lock);
+        HandleCtx *f = lookup(g_functions, g_n_functions, first_fn);
+        own = f ? f->ctx : NULL;
+        pthread_mutex_unlock(&g_lock);
+    }
+    int bound = own != NULL && cu.CtxGetCurrent(&prev) == CUDA_SUCCESS && (prev == own || cu.CtxSetCurrent(own) == 0);
     for (int i = 0; i < p->nops; i++) {
         ProgOp *op = &p->ops[i];
         if (op->kind != OP_JOIN) continue;
         CUresult rc = cu.EventCreate(&op->ev, 2 /* CU_EVENT_DISABLE_TIMING */);
-        if (rc == CUDA_ERROR_INVALID_CONTEXT && first_fn != NULL && bind_function_ctx(first_fn) == 0)
-            rc = cu.EventCreate(&op->ev, 2);
         if (rc != CUDA_SUCCESS) {
             op->ev = NULL;
+            if (bound) restore_ctx(prev, own);
             raise_cu(rc, "cuEventCreate for program op %d failed", i);
             goto fail;
         }
     }
+    if (bound) restore_ctx(prev, own);
     Py_DECREF(seq);
     PyObject *capsule = PyCapsule_New(p, "flash_qla.program", program_capsule_free);
     if (capsule == NULL) program_free(p);
