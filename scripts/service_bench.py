@@ -285,6 +285,10 @@ def main() -> None:
                                                     - before["flash_qla_kernel_seconds_sum"]) / launches,
                               mean_queue_ms=1e3 * (after["flash_qla_queue_seconds_sum"]
                                                    - before["flash_qla_queue_seconds_sum"]) / merged)
+                answered = after["flash_qla_request_seconds_count"] - before["flash_qla_request_seconds_count"]
+                if answered:  # in the app: from the request's headers to its answer (the body's upload included)
+                    result.update(mean_in_app_ms=1e3 * (after["flash_qla_request_seconds_sum"]
+                                                        - before["flash_qla_request_seconds_sum"]) / answered)
             return result
 
         for mode in MODES:  # a short untimed run of each, then the timed alternation

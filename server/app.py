@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -33,6 +35,7 @@ from .readiness import STARTING, ReadyState, probe
 from .schemas import ErrorResponse, HealthResponse, PrefillJSONRequest, PrefillJSONResponse, ReadyResponse
 from .session_routes import session_router
 from .sessions import SessionStore
+from .staging import DeviceStaging
 
 log = logging.getLogger("server")
 PREFILL_PATH = "/v1/prefill"
@@ -74,9 +77,15 @@ class ServiceState:
         self.store = SessionStore(device, config.max_state_bytes, config.state_dir, config.session_ttl_s,
                                   config.max_sessions)
         self.engine = PrefillEngine(config.backend, self.store)
-        # One worker thread: launches never run on the event loop, and never two at once.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-qla-launch")
-        self.batcher = DynamicBatcher(self.engine.run, self.executor, self.metrics,
+        self.staging = DeviceStaging(device, config.max_request_bytes)
+        # The readiness probe's thread; launches run on the batcher's own thread (never on the event loop, and
+        # never two at once).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-qla-probe")
+        # A /v1/prefill request's thread, from its body to its answer (it waits for the launch there): as many as
+        # may wait in the queue, and some to decode and encode meanwhile (threads start as they are needed).
+        self.request_threads = ThreadPoolExecutor(max_workers=config.max_queue + 32,
+                                                  thread_name_prefix="flash-qla-request")
+        self.batcher = DynamicBatcher(self.engine.run, self.metrics,
                                       max_batch_tokens=config.max_batch_tokens,
                                       max_wait_s=config.batch_wait_ms / 1000.0, max_queue=config.max_queue,
                                       max_batch_bytes=config.max_request_bytes)
@@ -118,9 +127,9 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
         finally:
             readiness.cancel()
             sweeper.cancel()
-            await state.batcher.stop()
-            # the launch in progress (if any) finishes and stores its states before the sessions are written out
+            await state.batcher.stop()  # the launch in progress finishes and stores its states first
             await loop.run_in_executor(None, lambda: state.executor.shutdown(wait=True, cancel_futures=True))
+            await loop.run_in_executor(None, lambda: state.request_threads.shutdown(wait=True, cancel_futures=True))
             written = await loop.run_in_executor(None, state.store.close)
             log.info("%d sessions written to %s", written, config.state_dir)
 
@@ -163,36 +172,39 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
                            headers={"Retry-After": "1"} if verdict is STARTING else None)
         encoding = media_type(request.headers.get("content-type"))
         body = await request.body()  # BodyLimitMiddleware makes an oversized body a 413 here
-        # Off the event loop, in one hop each: decoding and admission before the queue, encoding after it.
-        prefill_request = await run_in_threadpool(admit, body, encoding)
-        sessions = prefill_request.session_ids
-        try:
-            result = await asyncio.wait_for(state.batcher.submit(prefill_request), config.request_timeout_s)
-        except BaseException as error:
-            if sessions:
-                await run_in_threadpool(state.store.finish, sessions)
-            mapped = _launch_error(error)
-            if mapped is error:
-                raise
-            raise mapped from error
-        payload = await run_in_threadpool(answer, result, encoding, sessions)
+        # One hop off the event loop for the whole request (each hop back costs the request a turn of a loop that
+        # is busy moving other bodies): the request thread decodes, admits, queues, waits, encodes.
+        payload = await asyncio.get_running_loop().run_in_executor(state.request_threads, serve, body, encoding)
         return Response(payload, media_type=encoding)
 
-    def admit(body: bytes, encoding: str) -> PrefillRequest:
-        """Decode and check a request before it may queue: sizes, head dims, the memory estimate, its sessions."""
+    def serve(body: bytes, encoding: str) -> bytes:
+        """On a request thread: decode and check the request before it may queue (sizes, head dims, the memory
+        estimate, its sessions), stage its inputs on the launch device (server.staging), queue it, wait for its
+        slice of a launch, encode the answer."""
         prefill_request = _decode(body, encoding)
         _check_size_limits(prefill_request, config)
         check_head_dims(prefill_request, config.backend, state.kernel_head_dims())
         prefill_request.memory_bytes = check_memory(prefill_request, config.backend, encoding,
                                                     config.max_request_bytes).total
-        if prefill_request.session_ids:
-            state.store.admit(prefill_request.session_ids, prefill_request.session_config)
-        return prefill_request
-
-    def answer(result, encoding: str, sessions) -> bytes:
+        sessions = prefill_request.session_ids
         if sessions:
-            state.store.finish(sessions)
-        return encode_result(result, encoding)
+            state.store.admit(sessions, prefill_request.session_config)
+        try:
+            state.staging.stage(prefill_request)
+            launched = state.batcher.enqueue(prefill_request)
+            try:
+                result = launched.result(timeout=config.request_timeout_s)
+            except BaseException as error:
+                launched.cancel()  # withdrawn unless its launch has begun
+                mapped = _launch_error(error)
+                if mapped is error:
+                    raise
+                raise mapped from error
+            return encode_result(result, encoding)
+        finally:
+            state.staging.release(prefill_request)
+            if sessions:
+                state.store.finish(sessions)
 
     if config.echo_endpoint:
         zeros = {"buffer": b""}  # grown, never resized in place: answers in flight hold views of it
@@ -229,10 +241,12 @@ def _decode(body: bytes, encoding: str) -> PrefillRequest:
 
 def _launch_error(error: BaseException) -> BaseException:
     """What a failed wait for the launch becomes for the client."""
-    if isinstance(error, asyncio.TimeoutError):
+    if isinstance(error, FutureTimeout):
         return RequestTimedOut("no answer within the request timeout (--request-timeout-s); with session_ids the "
                                "turn may have been applied: the session's tokens tell")
-    if isinstance(error, (ServiceError, asyncio.CancelledError)) or not isinstance(error, Exception):
+    if isinstance(error, FutureCancelled):  # the batcher stopped before the request's launch
+        return NotReady("the service is shutting down", reason="shutting_down")
+    if isinstance(error, ServiceError) or not isinstance(error, Exception):
         return error
     if isinstance(error, (ValueError, TypeError)):  # the library rejected the launch: the request's fault
         return InputError.from_api_error(error)

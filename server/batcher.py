@@ -2,9 +2,14 @@
 
 The oldest waiting request decides the next launch: it waits at most ``max_wait_s`` for company with its key,
 or less once the waiting tokens of that key fill ``max_batch_tokens``. Then every waiting request with that key
-that fits the budgets (tokens, and the requests' estimated memory) goes, in arrival order, to one launch on a
-single worker thread (one launch at a time: the device runs one anyway, and requests that arrive meanwhile form
-the next, larger batch).
+that fits the budgets (tokens, and the requests' estimated memory) goes, in arrival order, to one launch.
+
+Launches run on one thread of the batcher's own, which also applies this policy: it takes the next batch the
+moment a launch ends, without a round trip through the event loop (which, under load, is busy moving bodies and
+would leave the device idle meanwhile). Requests are queued from any thread (:meth:`DynamicBatcher.enqueue`:
+the request threads queue them as soon as they are admitted) and answered through ``concurrent.futures``
+futures; one launch at a time (the device runs one anyway, and requests that arrive meanwhile form the next,
+larger batch).
 
 Requests on one session are applied in arrival order: a launch never takes a request whose session is also named
 by an earlier request that it does not take (another key, over budget, or the same session twice); that request
@@ -14,14 +19,18 @@ failed alone (e.g. its session was deleted meanwhile).
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Union
 
-from .errors import QueueFull
+from .errors import NotReady, QueueFull
 from .metrics import ServiceMetrics
 from .prefill import PrefillRequest, PrefillResult
+
+log = logging.getLogger("server.batcher")
 
 LaunchFn = Callable[[List[PrefillRequest]], List[Union[PrefillResult, BaseException]]]
 
@@ -29,23 +38,23 @@ LaunchFn = Callable[[List[PrefillRequest]], List[Union[PrefillResult, BaseExcept
 @dataclass(eq=False)  # compared by identity: the fields hold tensors
 class _Waiting:
     request: PrefillRequest
-    future: asyncio.Future
+    future: Future
     enqueued_at: float = field(default_factory=time.perf_counter)
 
 
 class DynamicBatcher:
-    def __init__(self, launch: LaunchFn, executor: ThreadPoolExecutor, metrics: ServiceMetrics, *,
-                 max_batch_tokens: int, max_wait_s: float, max_queue: int, max_batch_bytes: Optional[int] = None):
+    def __init__(self, launch: LaunchFn, metrics: ServiceMetrics, *, max_batch_tokens: int, max_wait_s: float,
+                 max_queue: int, max_batch_bytes: Optional[int] = None):
         self._launch = launch
-        self._executor = executor
         self._metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.max_batch_bytes = max_batch_bytes
         self._waiting: List[_Waiting] = []
-        self._arrived: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
         self.launches = 0  # merged launches so far (also exported as a metric)
 
     @property
@@ -53,61 +62,76 @@ class DynamicBatcher:
         return len(self._waiting)
 
     def start(self) -> None:
-        self._arrived = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="flash-qla-batcher")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="flash-qla-launch", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for item in self._waiting:
-            if not item.future.done():
-                item.future.cancel()
-        self._waiting.clear()
+        """Finish the launch in progress (its results are delivered), then cancel every waiting request."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+            self._metrics.queue_depth.set(0)
+        for item in waiting:
+            item.future.cancel()
+
+    def enqueue(self, request: PrefillRequest) -> Future:
+        """Queue a request (from any thread); its future gets its own slice of a launch. Raises QueueFull when the
+        queue is full. Cancelling the future withdraws the request if it has not been launched yet."""
+        with self._cond:
+            if self._stopping:
+                raise NotReady("the service is shutting down", reason="shutting_down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue}); "
+                                f"retry later")
+            item = _Waiting(request, Future())
+            self._waiting.append(item)
+            self._metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+        item.future.add_done_callback(lambda future: self._withdraw(item) if future.cancelled() else None)
+        return item.future
 
     async def submit(self, request: PrefillRequest) -> PrefillResult:
-        """Queue a request and wait for its own slice of a launch. Raises QueueFull when the queue is full;
-        cancelling the caller (a timeout) withdraws the request if it has not been launched yet."""
-        if len(self._waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue}); retry later")
-        item = _Waiting(request, asyncio.get_running_loop().create_future())
-        self._waiting.append(item)
-        self._metrics.queue_depth.set(len(self._waiting))
-        self._arrived.set()
-        try:
-            return await item.future
-        except asyncio.CancelledError:
-            self._withdraw(item)
-            raise
+        """:meth:`enqueue` and wait; cancelling the caller (a timeout) withdraws a request not yet launched."""
+        return await asyncio.wrap_future(self.enqueue(request))
 
     def _withdraw(self, item: _Waiting) -> None:
-        if item in self._waiting:
-            self._waiting.remove(item)
-            self._metrics.queue_depth.set(len(self._waiting))
+        with self._cond:
+            if item in self._waiting:
+                self._waiting.remove(item)
+                self._metrics.queue_depth.set(len(self._waiting))
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # -- the launch thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
         while True:
-            while not self._waiting:
-                self._arrived.clear()
-                await self._arrived.wait()
-            head = self._waiting[0]
-            deadline = head.enqueued_at + self.max_wait_s
-            while self._waiting_tokens(head.request.key) < self.max_batch_tokens:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            batch = self._take(head.request.key)
+            with self._cond:
+                batch = self._next_batch()
+                if batch is None:
+                    return
             if batch:
-                await self._run_batch(loop, batch)
+                self._run_batch(batch)
+
+    def _next_batch(self) -> Optional[List[_Waiting]]:
+        """(Lock held.) Wait for the oldest request's deadline or a full token budget; None when stopping."""
+        while True:
+            if self._stopping:
+                return None
+            if not self._waiting:
+                self._cond.wait()
+                continue
+            head = self._waiting[0]
+            if self._waiting_tokens(head.request.key) >= self.max_batch_tokens:
+                return self._take(head.request.key)
+            remaining = head.enqueued_at + self.max_wait_s - time.perf_counter()
+            if remaining <= 0:
+                return self._take(head.request.key)
+            self._cond.wait(remaining)
 
     def _waiting_tokens(self, key) -> int:
         return sum(w.request.num_tokens for w in self._waiting if w.request.key == key)
@@ -119,7 +143,7 @@ class DynamicBatcher:
         taken, tokens, nbytes = [], 0, 0
         held = set()  # sessions named by an earlier waiting request, taken or not
         for item in self._waiting:
-            if item.future.done():
+            if item.future.done():  # cancelled: its callback removes it
                 continue
             request = item.request
             sessions = request.session_ids or ()
@@ -127,7 +151,7 @@ class DynamicBatcher:
                 tokens + request.num_tokens <= self.max_batch_tokens
                 and (self.max_batch_bytes is None or nbytes + request.memory_bytes <= self.max_batch_bytes)))
             held.update(sessions)
-            if not fits:
+            if not fits or not item.future.set_running_or_notify_cancel():  # from here it can no longer cancel
                 continue
             taken.append(item)
             tokens += request.num_tokens
@@ -136,33 +160,25 @@ class DynamicBatcher:
         self._metrics.queue_depth.set(len(self._waiting))
         return taken
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: List[_Waiting]) -> None:
-        now = time.perf_counter()
+    def _run_batch(self, batch: List[_Waiting]) -> None:
+        started = time.perf_counter()
         for item in batch:
-            self._metrics.queue_seconds.observe(now - item.enqueued_at)
+            self._metrics.queue_seconds.observe(started - item.enqueued_at)
         requests = [item.request for item in batch]
         self.launches += 1
         self._metrics.record_launch(len(requests), sum(r.num_tokens for r in requests))
         try:
-            results, seconds = await loop.run_in_executor(self._executor, _timed, self._launch, requests)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - every caller of the batch gets the launch's error
+            results = self._launch(requests)
+        except BaseException as error:  # every caller of the batch gets the launch's error
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(error)
+                item.future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
             return
-        self._metrics.kernel_seconds.observe(seconds)
+        finally:
+            self._metrics.kernel_seconds.observe(time.perf_counter() - started)
         for item, result in zip(batch, results):
-            if item.future.done():  # a caller that timed out meanwhile is simply skipped
-                continue
             if isinstance(result, BaseException):
                 item.future.set_exception(result)
             else:
                 item.future.set_result(result)
-
-
-def _timed(launch: LaunchFn, requests: List[PrefillRequest]):
-    started = time.perf_counter()
-    results = launch(requests)
-    return results, time.perf_counter() - started

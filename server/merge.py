@@ -1,4 +1,9 @@
-"""Many requests with one batch key -> one packed varlen launch, and its outputs -> each caller's slices."""
+"""Many requests with one batch key -> one packed varlen launch, and its outputs -> each caller's slices.
+
+Built for a launch thread that competes for the GIL with the event loop and the request threads: every torch call
+releases and re-takes the GIL, so the merge makes a fixed number of them per launch (one concatenation per
+tensor), not one per request and tensor.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +12,8 @@ from typing import List, Optional
 import torch
 
 from .prefill import PrefillRequest, PrefillResult, state_dtype
+
+_PACKED = ("q", "k", "v", "g", "beta")
 
 
 @dataclass
@@ -17,7 +24,7 @@ class MergedBatch:
     g: torch.Tensor                        # [1, T_total, Hv]
     beta: torch.Tensor
     cu_seqlens: torch.Tensor               # [N_total + 1] int64, host
-    initial_state: Optional[torch.Tensor]  # [N_total, Hv, K, V] on the device, None when no request sent one
+    initial_state: Optional[torch.Tensor]  # [N_total, Hv, K, V] on the device, None when every sequence starts at 0
     scale: float
     use_qk_l2norm_in_kernel: bool
     output_final_state: bool               # true when any request asked for its final state
@@ -36,48 +43,80 @@ def _offsets(sizes: List[int]) -> List[int]:
     return out
 
 
-def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device] = None) -> MergedBatch:
-    """Concatenate along tokens; shift every request's cu_seqlens by the tokens before it; stack the states
-    (zeros for requests that sent none, which is what the API assumes for them anyway).
+def _on(device: torch.device, x: torch.Tensor) -> torch.Tensor:
+    """``x`` on ``device``: staged inputs are there already; a host tensor is copied (from pageable memory the
+    copy returns once the source is read, so the source may be freed right after)."""
+    return x if x.device == device else x.to(device, non_blocking=True)
 
-    The packed tensors are built on ``device`` (default: the host) by copying each request's piece into its rows:
-    for a GPU launch that is one host-to-device copy per piece and no host-side concatenation."""
-    device = device or torch.device("cpu")
-    non_blocking = device.type == "cuda"
+
+def _concat(pieces: List[torch.Tensor]) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device] = None,
+                   stored_states: Optional[torch.Tensor] = None) -> MergedBatch:
+    """Concatenate along tokens; shift every request's cu_seqlens by the tokens before it; stack the initial
+    states: a session request's rows of ``stored_states`` (the stored states of every session request's
+    sequences, in request order), an uploaded state, or zeros (what the API assumes for a request without one).
+
+    The packed tensors are built on ``device`` (default: the host) by one concatenation each; pieces already there
+    (staged at admission) are not copied again."""
+    device = torch.device(device or "cpu")
     if not requests or len({r.key for r in requests}) != 1:
         raise ValueError("merge_requests needs one or more requests with the same batch key")
     first = requests[0]
     token_offsets = _offsets([r.num_tokens for r in requests])
     seq_offsets = _offsets([r.num_seqs for r in requests])
-    cu = torch.cat([first.cu_seqlens[:1]] + [r.cu_seqlens[1:] + t0 for r, t0 in zip(requests, token_offsets)])
-    initial_state = None
-    if any(r.initial_state is not None for r in requests):
-        Hv, K, V = first.key.num_v_heads, first.key.head_dim_k, first.key.head_dim_v
-        dt = state_dtype(first.q.dtype)
-        initial_state = torch.zeros(seq_offsets[-1], Hv, K, V, dtype=dt, device=device)
-        for r, s0 in zip(requests, seq_offsets):
-            if r.initial_state is not None:
-                initial_state[s0:s0 + r.num_seqs].copy_(r.initial_state, non_blocking=non_blocking)
-
-    def packed(name: str) -> torch.Tensor:
-        first_piece = getattr(first, name)
-        out = torch.empty(token_offsets[-1], *first_piece.shape[1:], dtype=first_piece.dtype, device=device)
-        for r, t0 in zip(requests, token_offsets):
-            out[t0:t0 + r.num_tokens].copy_(getattr(r, name), non_blocking=non_blocking)
-        return out[None]
-
-    return MergedBatch(packed("q"), packed("k"), packed("v"), packed("g"), packed("beta"), cu, initial_state,
-                       first.scale, first.use_qk_l2norm_in_kernel,
+    cu = [0]
+    for r, t0 in zip(requests, token_offsets):
+        cu.extend(t0 + end for end in r.offsets[1:])
+    packed = [_concat([_on(device, getattr(r, name)) for r in requests])[None] for name in _PACKED]
+    return MergedBatch(*packed, torch.tensor(cu, dtype=torch.int64),
+                       _initial_states(requests, device, stored_states), first.scale, first.use_qk_l2norm_in_kernel,
                        any(r.output_final_state for r in requests), token_offsets, seq_offsets)
+
+
+def _initial_states(requests: List[PrefillRequest], device: torch.device,
+                    stored_states: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    sessions = [bool(r.session_ids) for r in requests]
+    if any(sessions) and stored_states is None:
+        raise ValueError("requests that continue sessions need their stored states (stored_states)")
+    if all(sessions):  # every sequence continues a session: the gathered rows are the initial states
+        return stored_states
+    if not any(sessions) and all(r.initial_state is None for r in requests):
+        return None
+    first = requests[0]
+    shape = (first.key.num_v_heads, first.key.head_dim_k, first.key.head_dim_v)
+    dtype = state_dtype(first.q.dtype)
+    pieces, row = [], 0
+    for r, is_session in zip(requests, sessions):
+        if is_session:
+            pieces.append(stored_states[row:row + r.num_seqs])
+            row += r.num_seqs
+        elif r.initial_state is not None:
+            pieces.append(_on(device, r.initial_state))
+        else:
+            pieces.append(torch.zeros(r.num_seqs, *shape, dtype=dtype, device=device))
+    return _concat(pieces)
+
+
+def session_rows(batch: MergedBatch, requests: List[PrefillRequest], states: torch.Tensor) -> torch.Tensor:
+    """The rows of ``states`` [N_total, ...] that belong to session requests' sequences, in request order (the
+    order of ``stored_states``)."""
+    if all(r.session_ids for r in requests):
+        return states
+    return _concat([states[batch.seq_offsets[i]:batch.seq_offsets[i + 1]]
+                    for i, r in enumerate(requests) if r.session_ids])
 
 
 def split_outputs(batch: MergedBatch, requests: List[PrefillRequest], o: torch.Tensor,
                   final_state: Optional[torch.Tensor]) -> List[PrefillResult]:
-    """Each request's own rows of o [1, T_total, Hv, V] and final_state [N_total, Hv, K, V]."""
+    """Each request's own rows of o [1, T_total, Hv, V] and final_state [N_total, Hv, K, V] (views)."""
+    o = o[0]
     results = []
     for i, request in enumerate(requests):
         t0, t1 = batch.token_offsets[i], batch.token_offsets[i + 1]
         s0, s1 = batch.seq_offsets[i], batch.seq_offsets[i + 1]
         state = final_state[s0:s1] if (request.output_final_state and final_state is not None) else None
-        results.append(PrefillResult(o[0, t0:t1], state))
+        results.append(PrefillResult(o[t0:t1], state))
     return results

@@ -46,6 +46,12 @@ class PrefillRequest:
     key: BatchKey
     session_ids: Optional[List[str]] = None  # one per sequence: continue from / store into these sessions
     memory_bytes: int = 0                    # the admission's memory estimate (the batcher's launch budget)
+    offsets: Optional[List[int]] = None      # cu_seqlens' values (read once on the host, at admission)
+    staged_bytes: int = 0                    # device bytes its inputs were staged in (server.staging)
+
+    def __post_init__(self):
+        if self.offsets is None:
+            self.offsets = self.cu_seqlens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +59,7 @@ class PrefillRequest:
 
     @property
     def num_seqs(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        return len(self.offsets) - 1
 
     @property
     def session_config(self) -> SessionConfig:
@@ -63,7 +69,7 @@ class PrefillRequest:
                              _DTYPE_NAMES[state_dtype(self.q.dtype)])
 
     def sequence_lengths(self) -> List[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        return [b - a for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
 
 @dataclass

@@ -12,8 +12,9 @@ every later one must match it (409). Its state lives in one of three places:
 So a clean shutdown (SIGTERM) loses nothing, and a crash loses exactly the sessions that were resident or never
 spilled: after the restart they answer 404, never a stale or zero state.
 
-Thread model: every method takes the store's lock. The launch worker calls :meth:`acquire` (pins the
-sessions' rows and gathers their states), computes without the lock, then :meth:`commit` and :meth:`release`.
+Thread model: every method takes the store's lock. The launch worker calls :meth:`acquire` for each request
+(pins the sessions' rows), :meth:`gather` once for the launch (one device op for all its session rows), computes
+without the lock, then :meth:`commit` (one scatter) and :meth:`release`.
 """
 from __future__ import annotations
 
@@ -84,8 +85,7 @@ class Lease:
     """The rows one request's sessions occupy for the length of a launch."""
     sessions: List[Session]
     pool: StatePool
-    slots: torch.Tensor            # int64 on the pool's device, one per sequence
-    initial_states: torch.Tensor   # gathered rows [N, Hv, K, V]
+    slots: List[int]               # the sessions' rows, one per sequence
     released: bool = field(default=False)
 
 
@@ -237,8 +237,7 @@ class SessionStore:
 
     def acquire(self, session_ids: Sequence[str]) -> Lease:
         """Pin the sessions' rows (reading spilled states back, zeroing new ones, spilling others if the pool is
-        full) and gather their states. Raises 404 for a session deleted since it was admitted, 507 when the pool
-        cannot hold them."""
+        full). Raises 404 for a session deleted since it was admitted, 507 when the pool cannot hold them."""
         with self._lock:
             sessions = []
             for sid in session_ids:
@@ -259,17 +258,31 @@ class SessionStore:
                 for session in sessions:
                     session.pins -= 1
                 raise
-            slots = torch.tensor([s.slot for s in sessions], dtype=torch.int64).to(self.device)
-            return Lease(sessions, pool, slots, pool.gather(slots))
+            return Lease(sessions, pool, [s.slot for s in sessions])
 
-    def commit(self, lease: Lease, final_states: torch.Tensor, tokens: Sequence[int]) -> None:
-        """Store a launch's final states into the leased rows and count the tokens."""
+    def gather(self, leases: Sequence[Lease]) -> tuple:
+        """(rows, states): the leases' rows as an int64 tensor on the pool's device and their stored states
+        [len(rows), Hv, K, V], in lease order. The leases of one launch share one pool (one batch key)."""
         with self._lock:
-            lease.pool.scatter(lease.slots, final_states)
+            pool = leases[0].pool
+            if any(lease.pool is not pool for lease in leases):
+                raise ValueError("the sessions of one launch must share one state pool")
+            # queued behind the launch's other work: no wait for the device while the store is locked
+            rows = torch.tensor([slot for lease in leases for slot in lease.slots], dtype=torch.int64)
+            rows = rows.to(self.device, non_blocking=True)
+            return rows, pool.gather(rows)
+
+    def commit(self, leases: Sequence[Lease], rows: torch.Tensor, final_states: torch.Tensor,
+               tokens: Sequence[Sequence[int]]) -> None:
+        """Store a launch's final states into the leased ``rows`` (from :meth:`gather`) and count each lease's
+        sequences' tokens."""
+        with self._lock:
+            leases[0].pool.scatter(rows, final_states)
             now = self._clock()
-            for session, n in zip(lease.sessions, tokens):
-                session.tokens += n
-                session.last_used = now
+            for lease, lengths in zip(leases, tokens):
+                for session, n in zip(lease.sessions, lengths):
+                    session.tokens += n
+                    session.last_used = now
 
     def release(self, lease: Lease) -> None:
         with self._lock:
@@ -277,6 +290,8 @@ class SessionStore:
                 lease.released = True
                 for session in lease.sessions:
                     session.pins -= 1
+                    if session.deleted and session.pins == 0 and session.slot is not None:
+                        self._free_row(session)
 
     # -- numbers for /metrics and tests ------------------------------------------------------------------------------
 
@@ -307,14 +322,22 @@ class SessionStore:
         self._sessions.pop(session.session_id, None)
         if session.slot is not None:
             self._resident.pop(session.session_id, None)
-            self._pools[session.config.shape].release(session.slot)
-            session.slot = None
+            if session.pins == 0:  # a launch using the row frees it when it lets go (release)
+                self._free_row(session)
         if self.state_dir is not None:
             state_files.remove(self.state_dir, session.session_id)
         if expired:
             self._expired[session.session_id] = None
             while len(self._expired) > _REMEMBERED_EXPIRED:
                 self._expired.popitem(last=False)
+
+    def _free_row(self, session: Session) -> None:
+        """Give a deleted session's row back (never while a launch holds it: a later acquire in that launch could
+        take the row, and the launch's one scatter would then write it twice)."""
+        pool = self._pools.get(session.config.shape)
+        if pool is not None:
+            pool.release(session.slot)
+        session.slot = None
 
     def _pool_for(self, shape: StateShape) -> StatePool:
         pool = self._pools.get(shape)

@@ -437,18 +437,16 @@ def test_batcher_merges_by_key_within_the_token_budget_and_shares_errors():
         return [PrefillResult(torch.full((r.num_tokens,), float(r.num_tokens)), None) for r in requests]
 
     async def scenario():
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            batcher = DynamicBatcher(launch, pool, ServiceMetrics(), max_batch_tokens=20, max_wait_s=0.05,
-                                     max_queue=100)
-            batcher.start()
-            try:
-                same = [_prepared([n], i)[1] for i, n in enumerate([4, 5, 6, 7])]    # 22 tokens > budget 20
-                other = _prepared([3], 9, l2norm=True)[1]                            # another key
-                failing = [_prepared([2], 10 + i, scale=0.5)[1] for i in range(2)]
-                results = await asyncio.wait_for(asyncio.gather(
-                    *(batcher.submit(r) for r in same + [other] + failing), return_exceptions=True), 10)
-            finally:
-                await batcher.stop()
+        batcher = DynamicBatcher(launch, ServiceMetrics(), max_batch_tokens=20, max_wait_s=0.05, max_queue=100)
+        batcher.start()
+        try:
+            same = [_prepared([n], i)[1] for i, n in enumerate([4, 5, 6, 7])]    # 22 tokens > budget 20
+            other = _prepared([3], 9, l2norm=True)[1]                            # another key
+            failing = [_prepared([2], 10 + i, scale=0.5)[1] for i in range(2)]
+            results = await asyncio.wait_for(asyncio.gather(
+                *(batcher.submit(r) for r in same + [other] + failing), return_exceptions=True), 10)
+        finally:
+            await batcher.stop()
         return results
 
     results = asyncio.run(scenario())

@@ -306,6 +306,112 @@ def test_unreadable_state_file_is_set_aside_not_read(tmp_path):
     assert (tmp_path / ("B" * 22 + ".safetensors.unreadable")).exists()
 
 
+def _session_requests(store, lengths, seed):
+    from server.prefill import prepare_request
+    requests = []
+    for i, n in enumerate(lengths):
+        sid = store.create().session_id
+        request = prepare_request(dict(make_inputs([n], seed=seed + i)), None, False, None, [sid])
+        store.admit([sid], request.session_config)
+        requests.append(request)
+    return requests
+
+
+def test_a_launch_makes_as_many_torch_calls_for_16_requests_as_for_2(monkeypatch):
+    """The launch thread competes for the GIL with the event loop and the request threads, and every torch call
+    releases and re-takes it: for sessions that hold a row, gather, merge, scatter and copies are one call per
+    launch, not per request (only the answers' views are per request)."""
+    from torch.overrides import TorchFunctionMode
+
+    import flash_qla
+    from server.engine import PrefillEngine
+
+    calls = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__qualname__", str(func))
+            if "getset_descriptor" not in name and "__getitem__" not in name:  # attributes and views
+                calls.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+        return v, initial_state  # the kernels' own calls are not the launch thread's bookkeeping
+
+    monkeypatch.setattr(flash_qla, "chunk_gated_delta_rule", kernel)
+    store = SessionStore(torch.device("cpu"), 2**30)
+    engine = PrefillEngine("reference", store)
+    counts = []
+    for n in (2, 16):
+        requests = _session_requests(store, [3 + i for i in range(n)], seed=500 + n)
+        engine.run(requests)  # the sessions' first turn gives each a zeroed row
+        for request in requests:
+            store.admit(request.session_ids, request.session_config)
+        calls.clear()
+        with Count():
+            results = engine.run(requests)
+        assert all(r.session_tokens == [2 * (3 + i)] for i, r in enumerate(results))
+        counts.append(len(calls))
+    assert counts[0] == counts[1], (counts, calls)
+
+
+def test_merge_stacks_stored_uploaded_and_zero_states_in_request_order():
+    from server.merge import merge_requests, session_rows
+    from server.prefill import prepare_request
+    store = SessionStore(torch.device("cpu"), 2**30)
+    first, second = _session_requests(store, [4, 6], seed=600)
+    uploaded = prepare_request(dict(make_inputs([2, 3], seed=610, with_state=True)), None, False, True)
+    zero = prepare_request(dict(make_inputs([5], seed=620)), None, False, True)
+    stored = torch.randn(2, HV, K, V)
+    requests = [first, uploaded, zero, second]
+    batch = merge_requests(requests, stored_states=stored)
+    assert batch.cu_seqlens.tolist() == [0, 4, 6, 9, 14, 20] and batch.seq_offsets == [0, 1, 3, 4, 5]
+    h0 = batch.initial_state
+    assert torch.equal(h0[0], stored[0]) and torch.equal(h0[4], stored[1])
+    assert torch.equal(h0[1:3], uploaded.initial_state) and not h0[3].any()
+    assert torch.equal(session_rows(batch, requests, h0), stored)
+    with pytest.raises(ValueError, match="stored_states"):
+        merge_requests(requests)
+
+
+def test_a_session_deleted_during_its_launch_keeps_its_row_until_the_launch_lets_go():
+    """Another session of the same launch must not take the row: the launch's one scatter would write it twice."""
+    store = SessionStore(torch.device("cpu"), 2**30)
+    first, = _session_requests(store, [4], seed=800)
+    lease = store.acquire(first.session_ids)
+    store.delete(first.session_ids[0])
+    second, = _session_requests(store, [4], seed=801)
+    other = store.acquire(second.session_ids)
+    assert other.slots != lease.slots
+    store.release(lease)
+    store.release(other)
+    third, = _session_requests(store, [4], seed=802)
+    assert store.acquire(third.session_ids).slots == lease.slots  # freed once the launch let go
+
+
+def test_staging_holds_waiting_inputs_within_its_budget():
+    """Inputs move to the launch device at admission while the budget lasts; the rest stay on the host (and the
+    launch copies them); an answered request's bytes leave the budget. (The meta device stands in for a GPU.)"""
+    from server.merge import merge_requests
+    from server.prefill import prepare_request
+    from server.staging import DeviceStaging
+    requests = [prepare_request(dict(make_inputs([n], seed=700 + n, with_state=True)), None, False, True)
+                for n in (8, 8, 8)]
+    one = sum(t.nbytes for t in (requests[0].q, requests[0].k, requests[0].v, requests[0].g, requests[0].beta,
+                                 requests[0].initial_state))
+    staging = DeviceStaging(torch.device("meta"), budget_bytes=2 * one)
+    assert [staging.stage(r) for r in requests] == [True, True, False]
+    assert staging.staged_bytes == 2 * one and requests[0].q.is_meta and requests[0].initial_state.is_meta
+    assert requests[2].q.device.type == "cpu"
+    batch = merge_requests(requests, torch.device("meta"))
+    assert batch.q.is_meta and batch.q.shape == (1, 24, HQ, K) and batch.initial_state.shape == (3, HV, K, V)
+    staging.release(requests[0])
+    staging.release(requests[0])  # once only
+    assert staging.staged_bytes == one and staging.stage(requests[2])
+    assert not DeviceStaging(torch.device("cpu"), 2**30).stage(
+        prepare_request(dict(make_inputs([4], seed=710)), None, False, True))
+
+
 @pytest.mark.gpu
 def test_kernels_backend_session_turns_match_one_direct_call():
     """On an sm_90 GPU: three turns of a session (state in the device pool) against one kernels call over the
