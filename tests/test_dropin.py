@@ -44,6 +44,17 @@ def loop_reference(x, *, gate, sigmoid, neg, v_first, l2norm, scale):
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
+def _as_the_keywords_take_them(x, gate, sigmoid, v_first):
+    """The raw inputs in the form each keyword expects: a decay when the gate is not fused, beta in (0, 1) when
+    the sigmoid is not, V-first states when asked."""
+    if not gate:
+        x["g"] = -torch.nn.functional.softplus(x["g"])
+    if not sigmoid:
+        x["beta"] = torch.sigmoid(x["beta"])
+    if v_first:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+
+
 @pytest.mark.parametrize("gate,sigmoid,neg,v_first,l2norm", [
     (True, True, True, True, True),
     (True, False, False, False, False),
@@ -52,12 +63,7 @@ LEAVES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 ])
 def test_keywords_match_the_token_loop_with_gradients(gate, sigmoid, neg, v_first, l2norm):
     x = raw_inputs([1, 70, 9], seed=3)
-    if not gate:
-        x["g"] = -torch.nn.functional.softplus(x["g"])
-    if not sigmoid:
-        x["beta"] = torch.sigmoid(x["beta"])
-    if v_first:
-        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    _as_the_keywords_take_them(x, gate, sigmoid, v_first)
     names = [n for n in LEAVES if gate or n not in ("A_log", "dt_bias")]
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
@@ -264,12 +270,7 @@ def test_forward_keywords_property(lengths, gate, sigmoid, neg, v_first, seed):
         lengths = lengths + [1]
     neg = neg and sigmoid
     x = raw_inputs(lengths, hv=2, K=4, V=4, seed=seed)
-    if not gate:
-        x["g"] = -torch.nn.functional.softplus(x["g"])
-    if not sigmoid:
-        x["beta"] = torch.sigmoid(x["beta"])
-    if v_first:
-        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    _as_the_keywords_take_them(x, gate, sigmoid, v_first)
     o_ref, s_ref = loop_reference(x, gate=gate, sigmoid=sigmoid, neg=neg, v_first=v_first, l2norm=False, scale=0.5)
     extra = dict(A_log=x["A_log"], dt_bias=x["dt_bias"]) if gate else {}
     o, s = flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.5, x["initial_state"], True,
