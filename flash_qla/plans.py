@@ -14,12 +14,14 @@ as written; ``stats()`` counts those, and the tests check that the standard path
 from __future__ import annotations
 
 import collections
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .errors import CudaDriverError
 from .tuning import settings
 
 ALIGN = 256  # workspace buffers start where a fresh allocation would (TMA and vector loads assume it)
@@ -77,7 +79,6 @@ class Recorder:
         self.inputs = list(inputs)
         self.regions: List[_Region] = []
         self.outputs: List[Tuple[Tuple[int, ...], torch.dtype]] = []
-        self.output_names: List[str] = []
         self._output_tensors: List[torch.Tensor] = []
         self.workspace = 0
         self.ops: List[tuple] = []
@@ -95,7 +96,6 @@ class Recorder:
         if output is not None:
             slot = len(self.inputs) + len(self.outputs)
             self.outputs.append((tuple(t.shape), t.dtype))
-            self.output_names.append(output)
             self._output_tensors.append(t)
             if nbytes:
                 self._add(t.data_ptr(), nbytes, slot, 0, output)
@@ -216,7 +216,7 @@ class Plan:
     def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int, side_stream: Callable):
         dev = self.device
         if settings.poison_outputs:
-            outs = [_fill(shape, dtype, dev) for shape, dtype in self.outputs]
+            outs = [poisoned(shape, dtype, dev) for shape, dtype in self.outputs]
             ws = torch.full((self.workspace,), 255, device=dev, dtype=torch.uint8) if self.workspace else None
         else:
             outs = [torch.empty(shape, device=dev, dtype=dtype) for shape, dtype in self.outputs]
@@ -228,7 +228,12 @@ class Plan:
             streams = (stream,) + tuple(side_stream(dev, name).cuda_stream for name in self.side_streams)
         else:
             streams = (stream,)
-        _native().program_run(self.program, streams, tuple(pointers))
+        try:
+            _native().program_run(self.program, streams, tuple(pointers))
+        except CudaDriverError as e:  # name the kernel: the launcher knows only the op's index
+            op = re.match(r"program op (\d+)", e.what)
+            which = f"kernel {self.names[int(op.group(1))]}" if op else "a recorded plan"
+            raise CudaDriverError(f"{which} on {dev}: {e.what}", e.code, e.name, e.description) from None
         return self.finish(*[self._result(v, inputs, outs, ws) for v in self.results])
 
     def _result(self, v: Optional[_View], inputs, outs, ws):
@@ -253,7 +258,9 @@ def _native():
     return native()
 
 
-def _fill(shape, dtype, device) -> torch.Tensor:
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """A buffer filled so that an element no kernel writes shows: NaN, or for integer tables the most negative value
+    (tuning.poison_outputs)."""
     poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
     return torch.full(shape, poison, device=device, dtype=dtype)
 

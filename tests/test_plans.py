@@ -146,3 +146,17 @@ def test_a_buffer_the_call_freed_and_the_allocator_reused_names_the_new_allocati
     rec.plan([], lambda: None, DEV)
     ops_ = native.programs[0][0]
     assert ops_[0][7][0] == (1, 0) and ops_[1][7][0] == (1, 256)  # each launch kept the buffer it saw (slot 1: the workspace)
+
+
+def test_a_failed_replay_names_the_kernel(native, monkeypatch):
+    from flash_qla.errors import CudaDriverError
+    x = torch.ones(8)
+    plans.call(("k", 9), (x,), DEV, 0, _recorded_call(x, []), None)  # recorded
+
+    def fail(program, streams, pointers):
+        raise CudaDriverError("program op 0: cuLaunchKernel(grid (1, 1, 1), block (128, 1, 1), smem 0) failed", 1,
+                              "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+    monkeypatch.setattr(native, "program_run", fail)
+    with pytest.raises(CudaDriverError, match=r"kernel k\.test on cpu: program op 0: cuLaunchKernel") as e:
+        plans.call(("k", 9), (x,), DEV, 0, _recorded_call(x, []), None)
+    assert e.value.name == "CUDA_ERROR_INVALID_VALUE"
