@@ -53,9 +53,8 @@ def current_stream(device: torch.device) -> int:
 def empty(*shape, device, dtype, output: Optional[str] = None) -> torch.Tensor:
     """A buffer the kernels fill. ``output`` names a tensor the call returns; the rest is workspace, which a
     replayed plan takes from one allocation."""
-    if settings.poison_outputs:  # NaN, or for integer tables the most negative value
-        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        t = torch.full(shape, poison, device=device, dtype=dtype)
+    if settings.poison_outputs:
+        t = plans.poisoned(shape, dtype, device)
     else:
         t = torch.empty(*shape, device=device, dtype=dtype)
     rec = plans.recorder()
