@@ -213,7 +213,8 @@ class Plan:
     finish: Callable
     device: torch.device
 
-    def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int, side_stream: Callable):
+    def bind(self, inputs: Sequence[Optional[torch.Tensor]], stream: int, side_stream: Callable):
+        """A call's buffers and program arguments: (outputs, workspace, streams, pointers)."""
         dev = self.device
         if settings.poison_outputs:
             outs = [poisoned(shape, dtype, dev) for shape, dtype in self.outputs]
@@ -228,8 +229,13 @@ class Plan:
             streams = (stream,) + tuple(side_stream(dev, name).cuda_stream for name in self.side_streams)
         else:
             streams = (stream,)
+        return outs, ws, streams, tuple(pointers)
+
+    def replay(self, inputs: Sequence[Optional[torch.Tensor]], stream: int, side_stream: Callable):
+        dev = self.device
+        outs, ws, streams, pointers = self.bind(inputs, stream, side_stream)
         try:
-            _native().program_run(self.program, streams, tuple(pointers))
+            _native().program_run(self.program, streams, pointers)
         except CudaDriverError as e:  # name the kernel: the launcher knows only the op's index
             op = re.match(r"program op (\d+)", e.what)
             which = f"kernel {self.names[int(op.group(1))]}" if op else "a recorded plan"

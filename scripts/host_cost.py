@@ -92,7 +92,25 @@ def breakdown(x, leaves, calls: int) -> dict:
         return flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
                                                 output_final_state=True, cu_seqlens=x.cu_seqlens)
     out["api_forward_with_grad_us"] = host_us(forward_with_grad, max(1, calls // 3))
-    return {k: round(v, 2) for k, v in out.items()}
+    from flash_qla.kernel_api import _forward_inputs
+    with torch.no_grad():
+        ops.run_forward(*args)
+        out.update(program_cost(_forward_inputs(problem, x.q, x.k, x.v, x.g, x.beta, x.h0, x.cu_seqlens), calls))
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def program_cost(inputs, calls: int) -> dict:
+    """The most recently used plan (the last call's) alone: its op counts and its C program issued on one call's
+    buffers (the driver calls and the crossing only)."""
+    from flash_qla.launch import current_stream, side_stream
+    from flash_qla.loader import native
+    key, plan = next(reversed(plans._cache.items()))
+    dev = plan.device
+    bound = plan.bind(inputs, current_stream(dev), side_stream)
+    run = native().program_run
+    return {"plan": key[0], "launches": sum(n != "join" for n in plan.names),
+            "joins": sum(n == "join" for n in plan.names), "outputs": len(plan.outputs),
+            "program_us": host_us(lambda: run(plan.program, bound[2], bound[3]), calls)}
 
 
 def main() -> int:
