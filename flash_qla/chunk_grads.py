@@ -14,6 +14,9 @@ Agb = Gamma * A * beta_col, the forward terms and their adjoints are
     S' = eg_last S + K^T diag(et) Vnew -> dK += et * (Vnew dS'^T)
 and dgamma collects every exp's derivative (row sums of the elementwise products above; gamma_last
 takes the et and eg_last terms). dg (w.r.t. the raw g) is dgamma's reverse cumsum inside the chunk.
+The factors that are exactly 1 (Gamma's diagonal, the last row's et) carry no gamma term and stay out of
+dgamma: a + and a - of the same O(1) product, summed in two orders, cancel only up to rounding, which under
+strong decay (dg ~1e-13) is an error far above dg itself. The fused kernel (gdn_bwd_chunk) does the same.
 
 Tensors live in a chunk-slot layout [slots, H, 64, D] (rows past a sequence end are zero), computed in
 float32 with batched GEMMs. This is the stage a fused TileLang kernel is meant to replace.
@@ -88,13 +91,16 @@ def chunk_gradients(q, k, do, w, vnew, x, dw, h, dh, A, beta, gamma, valid, scal
     dk_w = -eg[..., None] * (dw @ _t(h))
     dk_s = et[..., None] * (vnew @ _t(dh))
     dk = dk_w + dk_s
-    through_et = (k * dk_s).sum(-1)
+    # the last valid row's et is exp(0): no gamma term
+    not_last = torch.arange(n, device=q.device) != last
+    through_et = (k * dk_s).sum(-1) * not_last
     dgamma += (k * dk_w).sum(-1) - through_et
     d_last = through_et.sum(-1, keepdim=True) + torch.exp(g_last) * (dh * h).sum((-1, -2))[..., None]
+    strict = pair & ~torch.eye(n, dtype=torch.bool, device=q.device)  # Gamma_ii = 1: no gamma term
 
     # P = scale * Gamma * tril(Q K^T)
     dps = scale * decay * (do @ _t(vnew))
-    through_p = dps * (q @ _t(k))
+    through_p = dps * (q @ _t(k)) * strict
     dgamma += through_p.sum(-1) - through_p.sum(-2)
     dq += dps @ k
     dk += _t(dps) @ q
@@ -102,11 +108,11 @@ def chunk_gradients(q, k, do, w, vnew, x, dw, h, dh, A, beta, gamma, valid, scal
     # Agb = Gamma * A * beta_col and the inverse
     gated = decay * A
     dagb = (x @ _t(w)) * pair
-    through_agb = dagb * gated * beta[..., None, :]
+    through_agb = dagb * gated * beta[..., None, :] * strict
     dgamma += through_agb.sum(-1) - through_agb.sum(-2)
     dbeta = (dagb * gated).sum(-2)
     dA = dagb * decay * beta[..., None, :]
-    dL = -(_t(A) @ dA @ _t(A)) * (pair & ~torch.eye(n, dtype=torch.bool, device=q.device))
+    dL = -(_t(A) @ dA @ _t(A)) * strict
     dbeta += (dL * (k @ _t(k))).sum(-1)
     dLb = beta[..., :, None] * dL
     dk += dLb @ k + _t(dLb) @ k

@@ -9,6 +9,9 @@ flash_qla/chunk_grads.py's (the float64-tested specification); per chunk, V in b
     dAgb = tril(X W^T), dA = dAgb Gamma beta_col, dL = -strictLower(A^T dA A^T), dLb = beta_row dL
     dbeta_j = sum_i dAgb Gamma A (col) + sum_j dL K K^T (row)
     dgamma  = the exp factors' row / column sums; gamma_last takes et's and eg_last's; dg = reverse cumsum.
+The factors that are exactly 1 (Gamma's diagonal, the last row's et) have no gamma term and stay out of those sums:
+summed and cancelled in fp32 they leave an absolute error of the terms' size (~1e-6), which under strong decay
+(g of -30 per token and below) is far above dg itself, in FLA's relative measure a 60x error.
 Rows past the sequence end hold the next sequence's (finite) rows: every C x C term is masked to the
 valid causal pairs and row outputs are stored for valid rows only. Each (chunk, q/k head) item walks the
 GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
@@ -166,7 +169,9 @@ def build(dtype: str, K: int, V: int):
             dh_s = T.alloc_shared((2, K, BV), dt)
             gam_s = T.alloc_shared((C,), "float32")
             eg_s = T.alloc_shared((C,), "float32")  # exp(gamma)
-            et_s = T.alloc_shared((C,), "float32")  # exp(gamma_last - gamma), 0 past the sequence end
+            # exp(gamma_last - gamma) on the rows before the last valid one, 0 from it on (the last row's et is
+            # exp(0) = 1: its part joins dk on its own, with no gamma term)
+            et_s = T.alloc_shared((C,), "float32")
             b_s = T.alloc_shared((C,), "float32")
             dg_s = T.alloc_shared((C,), "float32")
             cp_s = T.alloc_shared((C,), "float32")   # the P part's column sums
@@ -195,6 +200,7 @@ def build(dtype: str, K: int, V: int):
             dbr = T.alloc_fragment((C,), "float32")
             etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
+            dd_s = T.alloc_shared((C,), "float32")  # the A part's diagonal dAgb_ii A_ii (dbeta's; no gamma term)
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
             t0 = T.alloc_var("int32")
@@ -332,7 +338,7 @@ def build(dtype: str, K: int, V: int):
                             gam_s[tid] = rowv[0]
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
                             eg_s[tid] = T.exp2(rowv[0] * LOG2E)
-                            et_s[tid] = T.if_then_else(tid < valid, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
+                            et_s[tid] = T.if_then_else(tid < valid - 1, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
                             b_s[tid] = rowv[2]
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
                         if r == 0:  # q / k's first use in this item
@@ -348,16 +354,20 @@ def build(dtype: str, K: int, V: int):
                         # state terms: dq = scale eg (dO S^T); dk = -eg (dW S^T) + et (Vnew dS'^T); eg = exp(gamma),
                         # et = exp(gamma_last - gamma) on valid rows (computed in place: no shared staging to sync)
                         # dgamma's row sums k.dk_state + q.dq - 2 k.(et part) in one reduction (dks is scratch once
-                        # dk has its et part); gamma_last takes the et part's total over the valid rows (et is 0
-                        # past them): each thread's sum, then one shuffle reduction per warp
+                        # dk has its et part); gamma_last takes the et part's total: each thread's sum, then one
+                        # shuffle reduction per warp. The last valid row's et is exp(0) = 1, a constant: its et part
+                        # enters neither that row's sum nor the total (et_s is 0 there; as a + and a - of one O(1)
+                        # value summed in two orders it left dg an absolute error ~1e-6 under strong decay, where dg
+                        # is ~1e-13), and it joins that row of dk only after the row sum's term is taken
                         et_part[0] = 0.0
                         for i, d in T.Parallel(C, K):
                             dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
-                            dks[i, d] = dks[i, d] * et_s[i]
-                            dkf[i, d] = dks[i, d] - dkf[i, d] * eg_s[i]
-                            kt = dks[i, d] * k_s[i, d]
+                            kt = dks[i, d] * et_s[i] * k_s[i, d]
                             et_part[0] += kt
-                            dks[i, d] = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d] - 2.0 * kt
+                            dkf[i, d] = dks[i, d] * et_s[i] - dkf[i, d] * eg_s[i]
+                            row = dkf[i, d] * k_s[i, d] + dqf[i, d] * q_s[i, d] - 2.0 * kt
+                            dkf[i, d] = dkf[i, d] + T.if_then_else(i == valid - 1, dks[i, d], 0.0)
+                            dks[i, d] = row
                         T.reduce_sum(dks, r23, dim=1, batch=2)
                         for i in T.Parallel(C):  # into dg_s with the C x C parts' sums, after their barrier
                             r23_s[i] = r23[i]
@@ -370,14 +380,20 @@ def build(dtype: str, K: int, V: int):
                         # dPs * QK^T and dAgb * Gamma * A beta_col, and dbeta's column sums
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
+                        # Gamma_ii = 1 has no gamma term: the diagonal stays out of gamma's row and column sums, which
+                        # would cancel it only up to rounding (the floor above); dbeta takes the A part's diagonal
+                        # from dd_s
                         for i, j in T.Parallel(C, C):
                             gm = T.if_then_else(i >= j and i < valid, T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
                             dP[i, j] = dP[i, j] * gm * scale
                             m_s[i, j] = T.cast(dP[i, j], dt)
-                            cc[i, j] = dP[i, j] * cc[i, j]
+                            cc[i, j] = T.if_then_else(i > j, dP[i, j] * cc[i, j], 0.0)
                             dAgb[i, j] = dAgb[i, j] * gm
                             t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                            dP[i, j] = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                            ga = dAgb[i, j] * T.cast(a_s[i, j], "float32")
+                            if i == j:
+                                dd_s[i] = ga
+                            dP[i, j] = T.if_then_else(i > j, ga, 0.0)
                         T.fence_proxy_async()  # m_s and t_s are read by the tensor cores next
                         T.sync_threads()  # m_s, t_s
                         T.wgmma_gemm(m_s, k_s, dqf)
@@ -385,7 +401,7 @@ def build(dtype: str, K: int, V: int):
                         # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
                         # (before m_s is rewritten) covers these reads of m_s
                         T.reduce_sum(cc, cp, dim=0, batch=8)  # P's column sums
-                        # the A part's column sums are beta_j times dP's, which dbeta takes as they are
+                        # the A part's column sums are beta_j times dP's, which dbeta takes as they are (with dd_s)
                         T.reduce_sum(dP, dbc, dim=0, batch=8)
                         for i, j in T.Parallel(C, C):
                             cc[i, j] += dP[i, j] * b_s[j]
@@ -398,10 +414,10 @@ def build(dtype: str, K: int, V: int):
                             dbc_s[i] = dbc[i]
                         for i in T.Parallel(C):
                             ra_s[i] = ra[i]
-                        T.sync_threads()  # cp_s, dbc_s, ra_s, r23_s
+                        T.sync_threads()  # cp_s, dbc_s, ra_s, r23_s, dd_s
                         if tid < C:
                             dg_s[tid] = r23_s[tid] + ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
-                            db_s[tid] = dbc_s[tid]
+                            db_s[tid] = dbc_s[tid] + dd_s[tid]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
