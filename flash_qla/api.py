@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import gates, reference, states
+from .tuning import settings
 from .validation import Problem, check_cu_seqlens_cpu, check_keywords, validate_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
@@ -99,6 +100,19 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
       overwrites a dense initial_state. No host synchronisation: capturable in a CUDA graph.
     * ``output``: a buffer for o ([B, T, Hv, V] or [B*T, Hv, V], v's dtype), written and returned.
     """
+    plain = (initial_state_indices is None and state_indices is None and output_state is None and output is None
+             and cp_context is None and inplace_update is False and state_v_first is False
+             and use_gate_in_kernel is False and use_beta_sigmoid_in_kernel is False and cu_seqlens_cpu is None
+             and chunk_indices is None and head_first is False and allow_neg_eigval is False
+             and auto_cp is True and enable_fwd_cp_cache is True and force_intra_cp is False
+             and type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
+             and (backend == "auto" or backend == "kernels"))
+    if plain:
+        signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                               use_qk_l2norm_in_kernel, chunk_size)
+        fast = _FAST.get(signature)
+        if fast is not None and not torch.compiler.is_compiling():
+            return fast(q, k, v, g, beta, initial_state, cu_seqlens)
     check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                    allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -139,11 +153,56 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     else:
         o, final = _run(problem, q, k, v, g, beta, h0, plan.need_final, cu_seqlens, cu_seqlens_cpu,
                         use_qk_l2norm_in_kernel, chunk_size, auto_cp, backend)
+        if plain and signature is not None and h0 is initial_state and _fast_eligible(q, k, v, g, beta, h0,
+                                                                                          cu_seqlens, backend):
+            _remember(signature, _kernel_ops().Call(problem, q.device, q.dtype, h0 is not None,
+                                                         output_final_state, use_qk_l2norm_in_kernel))
     final = states.finish(plan, final, output_final_state)
     if output is not None:
         output.copy_(o.reshape(output.shape))
         o = output
     return o, final
+
+
+_FAST: dict = {}  # plain call signature -> its kernel_api.Call (see _signature): the fast lane
+_FAST_MAX = 1024
+
+
+def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, l2norm,
+               chunk_size) -> Optional[tuple]:
+    """What a plain call's checks and kernel-path decisions depend on: shapes, dtypes, devices, contiguity of every
+    tensor, scale (with its type: 1 and 1.0 hash alike), the flags and the tuning generation. None when an argument
+    is not what a signature can describe (the full path then names the problem)."""
+    try:
+        h, c = initial_state, cu_seqlens
+        return (q.shape, k.shape, v.shape, g.shape, beta.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+                q.device, k.device, v.device, g.device, beta.device,
+                q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+                and beta.is_contiguous(),
+                None if h is None else (h.shape, h.dtype, h.device, h.is_contiguous()),
+                None if c is None else (c.shape, c.dtype, c.device),
+                scale, type(scale), output_final_state, l2norm, chunk_size, type(chunk_size), settings.generation)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _fast_eligible(q, k, v, g, beta, h0, cu_seqlens, backend: str) -> bool:
+    """A call the fast lane can repeat exactly: the kernel path with inputs already in its layouts (contiguous, g
+    and the initial state float32, cu_seqlens int32 on the device; beta is converted the same way each call)."""
+    if backend == "reference" or q.device.type != "cuda" or g.dtype != torch.float32:
+        return False
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+            and beta.is_contiguous()):
+        return False
+    if h0 is not None and (h0.dtype != torch.float32 or not h0.is_contiguous()):
+        return False
+    return cu_seqlens is None or (cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device)
+
+
+def _remember(signature: tuple, fast) -> None:
+    if len(_FAST) >= _FAST_MAX:  # a serving workload's lengths vary: keep the table bounded
+        _FAST.pop(next(iter(_FAST)))
+    _FAST[signature] = fast
 
 
 def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool,

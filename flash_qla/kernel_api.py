@@ -13,8 +13,8 @@ import torch
 
 from . import plans
 from .backward import backward
-from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, per_sequence
-from .launch import current_stream, dense, packed, side_stream, supported_head_dims
+from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward
+from .launch import PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream, supported_head_dims
 from .tuning import settings
 from .validation import Problem, validate_kernel_inputs
 
@@ -41,8 +41,18 @@ def _finish_forward(o, A, ht):
     return o, ht, A
 
 
-def _finish_forward_cp(o, A, states, segment, last, boundary, *, count):
-    return o, per_sequence(states, segment, last, boundary, count), A
+def per_sequence(problem: Problem, seg: SegmentStates, device: torch.device, output: str) -> torch.Tensor:
+    """Intra-card CP's per-segment states -> [N, Hv, K, V] per sequence (gdn_state_pick: the last segment's final
+    state, the first segment's dh0; an empty sequence passes the boundary through), launched inside the call's
+    plan."""
+    N, Hv, K, V = problem.num_seqs, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    out = empty(N, Hv, K, V, device=device, dtype=torch.float32, output=output)
+    boundary = seg.boundary if seg.boundary is not None else out
+    launch(PICK_KERNEL, {"K": K, "V": V}, device,
+           {"Hv": Hv, "N": N, "S": seg.count, "use_boundary": int(seg.boundary is not None)},
+           {"states": seg.states.data_ptr(), "segment": seg.segment.data_ptr(), "last": seg.last.data_ptr(),
+            "boundary": boundary.data_ptr(), "out": out.data_ptr()})
+    return out
 
 
 def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool, output_final_state: bool,
@@ -52,6 +62,17 @@ def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_
     read them on the device."""
     return ("fwd", device.index, problem, dtype, bool(has_h0), bool(output_final_state), bool(use_qk_l2norm),
             bool(want_gate_free_inverse), settings.generation)
+
+
+def _record_forward(problem: Problem, inputs: tuple, dev: torch.device, output_final_state: bool, l2norm: bool,
+                    want_gate_free_inverse: bool = False):
+    """A forward run as written on prepared inputs (a plan's recording): ((o, A, ht), finish)."""
+    qi, ki, vi, gi, bi, h0, cu = inputs
+    o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, l2norm,
+                          want_gate_free_inverse=want_gate_free_inverse)
+    if isinstance(ht, SegmentStates):
+        ht = per_sequence(problem, ht, dev, "ht")
+    return (o, A, ht), _finish_forward
 
 
 def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state: bool, cu_seqlens,
@@ -64,12 +85,7 @@ def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_
                       want_gate_free_inverse)
 
     def record():
-        qi, ki, vi, gi, bi, h0, cu = inputs
-        o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, use_qk_l2norm,
-                              want_gate_free_inverse=want_gate_free_inverse)
-        if isinstance(ht, SegmentStates):
-            return (o, A) + ht.tensors(), functools.partial(_finish_forward_cp, count=ht.count)
-        return (o, A, ht), _finish_forward
+        return _record_forward(problem, inputs, dev, output_final_state, use_qk_l2norm, want_gate_free_inverse)
 
     o, ht, A = plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
     return o, ht, A, inputs[-1]
@@ -77,10 +93,6 @@ def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_
 
 def _finish_backward(dq, dk, dv, dg, dbeta, dh0, *, dtypes):
     return _converted((dq, dk, dv, dg, dbeta, dh0), dtypes)
-
-
-def _finish_backward_cp(dq, dk, dv, dg, dbeta, states, segment, last, boundary, *, count, dtypes):
-    return _converted((dq, dk, dv, dg, dbeta, per_sequence(states, segment, last, boundary, count)), dtypes)
 
 
 def _converted(grads, dtypes):
@@ -104,48 +116,71 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
         dq, dk, dv, dg, dbeta, dh0 = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai,
                                               g_is_cumsum=g_is_cumsum)
         if isinstance(dh0, SegmentStates):
-            return ((dq, dk, dv, dg, dbeta) + dh0.tensors(),
-                    functools.partial(_finish_backward_cp, count=dh0.count, dtypes=dtypes))
+            dh0 = per_sequence(problem, dh0, dev, "dh0")
         return (dq, dk, dv, dg, dbeta, dh0), functools.partial(_finish_backward, dtypes=dtypes)
 
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
+
+
+class Call:
+    """One validated signature's call (sizes, flags, device; its forward plan's key computed once). flash_qla.api
+    keeps one per plain signature (its fast lane): a repeat goes from the API straight to here, with no checks run
+    again, then to the plan, or through autograd, whose forward replays the same plan."""
+
+    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device")
+
+    def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
+                 output_final_state: bool, l2norm: bool):
+        self.problem, self.device = problem, device
+        self.output_final_state, self.l2norm = output_final_state, l2norm
+        self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
+
+    def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                        or beta.requires_grad or
+                                        (initial_state is not None and initial_state.requires_grad)):
+            return _ChunkGatedDeltaRule.apply(self, q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht = self.forward(q, k, v, g, beta, initial_state, cu_seqlens)
+        return o, (ht if self.output_final_state else None)
+
+    def forward(self, q, k, v, g, beta, initial_state, cu_seqlens):
+        """(o, final state or an empty tensor), no autograd."""
+        dev = self.device
+        inputs = _forward_inputs(self.problem, q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht, _ = plans.call(self.key, inputs, dev, current_stream(dev), lambda: self._record(inputs), side_stream)
+        return o, ht
+
+    def _record(self, inputs):
+        return _record_forward(self.problem, inputs, self.device, self.output_final_state, self.l2norm)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     """Saves only the inputs: the backward recomputes every intermediate (flash_qla/backward.py)."""
 
     @staticmethod
-    def forward(ctx, problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
-        o, ht, _, _ = run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                                  use_qk_l2norm)
-        ctx.problem, ctx.cu_seqlens, ctx.use_qk_l2norm = problem, cu_seqlens, use_qk_l2norm
-        ctx.has_h0 = initial_state is not None
+    def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens):
+        o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        if output_final_state:
-            return o, ht
-        return o, None
+        return o, (ht if call.output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        dq, dk, dv, dg, dbeta, dh0 = run_backward(ctx.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
-                                                  ctx.cu_seqlens, ctx.use_qk_l2norm, do, dht)
-        return None, dq, dk, dv, dg, dbeta, dh0, None, None, None
+        call = ctx.call
+        dq, dk, dv, dg, dbeta, dh0 = run_backward(call.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
+                                                  ctx.cu_seqlens, call.l2norm, do, dht)
+        return None, dq, dk, dv, dg, dbeta, dh0, None
 
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                            use_qk_l2norm_in_kernel):
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
-                                              g.requires_grad or beta.requires_grad or
-                                              (initial_state is not None and initial_state.requires_grad))
-    if needs_grad:
-        return _ChunkGatedDeltaRule.apply(problem, q, k, v, g, beta, initial_state, output_final_state,
-                                          cu_seqlens, use_qk_l2norm_in_kernel)
-    o, ht, _, _ = run_forward(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                              use_qk_l2norm_in_kernel)
-    return o, (ht if output_final_state else None)
+    """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None)."""
+    validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
+    return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
+                use_qk_l2norm_in_kernel)(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,

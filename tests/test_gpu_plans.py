@@ -65,3 +65,25 @@ def test_low_level_fwd_and_bwd_replay_and_dense_batches():
     for got in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
 
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16])
+def test_fast_lane_matches_the_full_path(path, beta_dtype):
+    """A repeated plain call (flash_qla.api's fast lane: no re-validation, straight to the plan) gives the full
+    path's bits, with and without an initial state, and replays its plan."""
+    from flash_qla import api
+    x = draw(LENGTHS["mixed"] + LENGTHS["tiny"], 2, 4, 128, 128, torch.bfloat16, seed=6)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"].to(beta_dtype))
+    with override(**PATHS[path]), torch.no_grad():
+        for h0 in (x["initial_state"], None):
+            kw = dict(cu_seqlens=x["cu_seqlens"], initial_state=h0, output_final_state=True)
+            api._FAST.clear()
+            want = flash_qla.chunk_gated_delta_rule(*args, **kw)  # the full path, which registers the signature
+            assert len(api._FAST) == 1
+            plans.clear()
+            for _ in range(3):
+                got = flash_qla.chunk_gated_delta_rule(*args, **kw)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, h0 is None)
+            stats = plans.stats()
+            assert stats.get("recorded") == 1 and stats.get("replayed") == 2, stats
