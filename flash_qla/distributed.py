@@ -15,43 +15,41 @@ States, per local sequence (``ctx.cu_seqlens`` order, ``ctx.seq_ids`` names thei
   the state handed over at the boundary, and the sequence's final state is returned by the rank where it ends.
   Both are differentiable.
 
-Algorithm. The state leaving a rank is affine in the state entering it: h_out = M h_in + Z, with Z the rank's own
-contribution (zero entering state) and M the product of the per-token transitions
-exp(g_t) (I - beta_t k_t k_t^T) (K x K). Forward, on a rank whose last sequence goes on to the next rank:
-  1. warm-up (gate-driven, as the intra-card CP of :mod:`flash_qla.cp`): per v-head, the fewest trailing tokens whose
-     summed g is <= WARMUP_LOG_DECAY (-10). Over them the transition has norm <= exp(sum g) as long as every factor is
-     non-expansive (0 <= beta |k|^2 <= 2), so the state obtained by running just those tokens from zero differs from
-     the true outgoing state by at most e^-10 ~ 4.5e-5 of the state entering the warm-up: Z_tail, M = 0.
-  2. heads whose gate does not decay that far within ``warmup_tokens`` (g = 0 heads) run the window of
-     ``warmup_tokens`` tokens with the transition computed too (one call: v widened by K zero columns, the initial
-     state by the identity, so the extra columns of the final state are the window's transition); where its
-     Frobenius norm (a bound of the spectral norm) is <= e^-10 the same truncation bound holds, measured rather than
-     derived from the gate.
-  3. the rest are exact: Z over the rank's part of the sequence (from the user's initial state where the sequence
-     starts on this rank, M = 0) or, for a rank lying inside one sequence that continues both ways, Z from zero and
-     the exact transition M over the whole shard.
-Then one all-gather of (Z, M) and each rank folds its chain: h_in[r] = Z[j] then h = Z[s] + M[s] h for the ranks s
-between the sequence's start rank j and r. The main pass (the public ``flash_qla.chunk_gated_delta_rule``: the
-sm_90a kernels on CUDA, the reference on CPU) does not wait for h_in: it starts at once with zero entering state for
-the continued sequence, and everything above runs beside it (on CUDA a high-priority side stream; its host reads wait
-for that stream alone). The recurrence is linear in (entering state, v), so h_in's part is added afterwards: the
-first ``warmup_tokens`` tokens of that sequence (all of them when it is shorter, or with warmup_tokens = 0) run from
-h_in with v = 0, their o is added to the main pass's in place, and their leaving state to the final state where they
-cover the whole sequence. Where they do not and that state is still above e^-10 of h_in (a head whose gate and keys
-have not forgotten it yet), the main pass runs again from h_in: exact, and the only case that waits for the exchange.
-Backward, the reverse direction: the gradient of the state leaving rank r is the gradient of the state entering
-rank r + 1, dh_in = M^T dh_out + D, with D the gradient that rank's tokens alone give (zero dht). Each rank whose
-first sequence is continued computes D over its first tokens (the reverse warm-up: the fewest leading tokens whose
-summed g is <= -10, or the measured transition of the window, or exactly) by autograd through the public function on
-that slice, one all-gather of (D, M) and each rank folds from the end of its last sequence back, adding the result
-to the final-state gradient of its last sequence before its local backward runs (by autograd through the public
-function, which never recomputes the forward). The shortcuts make the result exact up to the e^-10 truncation,
-the bound the intra-card CP already meets; ``warmup_tokens=0`` makes every boundary exact.
+Algorithm. The recurrence is linear in (entering state, v): over a token range, the leaving state is
+h_out = Z + M h_in (Z: the range run from a zero entering state; M: the product of the per-token transitions
+exp(g_t) (I - beta_t k_t k_t^T), K x K) and the entering state's part of o_t is h_in^T Q_t, where Q_t = scale
+(A_t ... A_1)^T q_t is q_t carried back to the range's start. Both M and Q come from one pass of the public function
+from the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
+  * the main pass (the public ``flash_qla.chunk_gated_delta_rule``: the sm_90a kernels on CUDA, the reference on
+    CPU) runs the whole shard at once, a sequence continued from the previous rank entering with zero state;
+  * beside it (on CUDA a high-priority side stream): the tail window, the last W = ``warmup_tokens`` tokens (all of
+    them where the sequence is shorter on this rank) of a last sequence going on to the next rank, run from zero
+    (or from the user's initial state where the window holds the whole sequence) for (Z, M); the head window, the
+    first W tokens of a first sequence continued from the previous rank, run from the identity for (Q, M);
+  * one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds its whole shard),
+    with a flag saying whether its windows were long enough; the entering state h_in = Z[r - 1] (folded through the
+    M of such ranks, h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the
+    head window holds the whole first sequence.
+The only serial work after the exchange is that bmm and the add. The windows cut the chain where the transition of a
+window is negligible: dropping M h errs by at most ||M||_F <= e^-10 ~ 4.5e-5 of the state entering the window, below
+bf16 resolution (for the head window this also needs every later factor non-expansive: g <= 0 and
+0 <= beta |k|^2 <= 2). The bound is measured (Frobenius norm of the window's M, per head), not assumed from the gate:
+gated heads meet it within a few hundred tokens, g = 0 heads through the keys' own forgetting; where some window on
+some rank misses it, every rank sees the flag after the all-gather and the call runs its boundaries again exactly
+(windows the whole range, transitions chained), which is also what ``warmup_tokens=0`` does from the start. One host
+read per forward (that flag, on the side stream, while the main pass runs).
+Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
+window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
+one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
+sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient before its local backward. Beside that
+local backward, the head window's pass is differentiated for the correction's share of dq, dk, dg, dbeta (added in
+place into the first tokens' gradients). Nothing in the backward reads the host.
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -61,8 +59,8 @@ import torch.distributed as dist
 
 WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
-WARMUP_TOKENS = 8192              # longest warm-up window before a boundary falls back to the exact transition
-PIECE_TOKENS = 1024               # ranges run with their transition are cut into independent pieces this long
+WARMUP_TOKENS = 8192              # the head / tail window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
+STATS = collections.Counter()     # linked forward calls, and those that had to run their boundaries exactly
 
 
 @dataclass(frozen=True)
@@ -168,15 +166,43 @@ def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# local passes through the public single-device function
+# windows
+
+@dataclass(frozen=True)
+class _Layout:
+    """This rank's windows (token counts on this rank) for one call."""
+    head: int            # first tokens of local sequence 0 run from the identity (0: the sequence starts here)
+    tail: int            # last tokens of the last local sequence run for its leaving state (0: it ends here)
+    head_covers: bool    # the head window holds all of local sequence 0 on this rank
+    tail_covers: bool    # the tail window holds all of the last local sequence on this rank
+    tail_own: bool       # the last local sequence starts on this rank (its initial state is the user's)
+    transit: bool        # this rank lies inside one sequence going on both ways
+    carry_m: bool        # transitions travel: some rank lies inside one sequence and its window holds the shard
+    exact: bool          # every window holds its whole range
+
+
+def _layout(ctx: "CPContext", exact: bool) -> _Layout:
+    W = ctx.warmup_tokens
+    exact = exact or W == 0
+    n0 = int(ctx.cu_seqlens_cpu[1])
+    n_last = ctx.part_len - int(ctx.cu_seqlens_cpu[-2])
+    head = (n0 if exact else min(n0, W)) if ctx.pre_num_ranks > 0 else 0
+    tail = (n_last if exact else min(n_last, W)) if ctx.post_num_ranks > 0 else 0
+    carry = (exact or ctx.part_len <= W) and any(ctx.transit(r) for r in range(ctx.world_size))
+    return _Layout(head=head, tail=tail, head_covers=head > 0 and head == n0, tail_covers=tail > 0 and tail == n_last,
+                   tail_own=ctx.num_seqs > 1 or ctx.pre_num_ranks == 0, transit=ctx.transit(ctx.rank),
+                   carry_m=carry, exact=exact)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# passes through the public single-device function
 
 @dataclass
 class _Call:
-    """The arguments every local pass shares."""
+    """The arguments every pass shares."""
     scale: float
     l2norm: bool
     backend: str
-    group_size: int       # v-heads per q/k head
     state_dtype: torch.dtype
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None):
@@ -185,319 +211,86 @@ class _Call:
                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend)
 
 
-def _heads(call: _Call, idx: Optional[torch.Tensor], q, k, v, g, beta):
-    """The v-heads ``idx`` as a problem of their own (q / k heads repeated per v-head); None: all heads."""
-    if idx is None:
-        return q, k, v, g, beta
-    qk_idx = torch.div(idx, call.group_size, rounding_mode="floor")
-    return (q.index_select(2, qk_idx), k.index_select(2, qk_idx), v.index_select(2, idx), g.index_select(2, idx),
-            beta.index_select(2, idx))
+_EYES: dict = {}
 
 
-def _widened(call: _Call, v, h0, want_transition: bool):
-    """v and h0 widened by K zero columns / the identity: the extra columns of the final state are the window's
-    transition M (S_w = M S_0 for v = 0), computed in the same pass as the contribution."""
-    if not want_transition:
-        return v, h0
-    H, K = v.shape[2], h0.shape[2]
-    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(h0.shape[0], H, K, K)
-    return torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=3), torch.cat([h0, eye], dim=3)
+def _eye(K: int, H: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The identity state [1, H, K, K], made once per shape (only ever read)."""
+    key = (K, H, dtype, device)
+    eye = _EYES.get(key)
+    if eye is None:
+        if len(_EYES) >= 64:
+            _EYES.clear()
+        eye = _EYES[key] = torch.eye(K, dtype=dtype, device=device).expand(1, H, K, K).contiguous()
+    return eye
 
 
 def _can_widen(call: _Call, v, K: int) -> bool:
-    """The kernels are built for V in {64, 128, 256}; the reference takes any width."""
-    return call.backend == "reference" or v.device.type != "cuda" or v.shape[3] + K in (64, 128, 256)
+    """One pass can carry v and the identity side by side where the kernels are built for width V + K."""
+    if call.backend == "reference" or v.device.type != "cuda":
+        return True
+    from .launch import supported_head_dims
+    return (K, v.shape[3] + K) in supported_head_dims()
 
 
-def _pieces(n: int, device):
-    """Offsets cutting n tokens into PIECE_TOKENS-long pieces: a range whose entering state is zero (or the identity)
-    runs as that many independent sequences, each with its own transition, folded afterwards: the serial chain
-    is one piece long instead of the whole range."""
-    cuts = list(range(0, n, PIECE_TOKENS)) + [n]
-    return torch.tensor(cuts, dtype=torch.int32, device=device), len(cuts) - 1
+def _head_run(call: _Call, x4, H: int, K: int, v_dtype: torch.dtype):
+    """(o [1, w, H, K], final [1, H, K, K]) of the window from the identity with v = 0: o is q carried back to the
+    window's start (the entering state's part of o is o @ h_in), final its transition."""
+    q, k, g, beta = x4
+    v0 = q.new_zeros(1, q.shape[1], H, K, dtype=v_dtype)
+    return call.run(q, k, v0, g, beta, _eye(K, H, call.state_dtype, q.device))
 
 
-def _transition(call: _Call, x, cu, rows: int):
-    """The exact transitions [rows, H, K, K] of each piece: its final state for v = 0 from the identity."""
+def _tail_run(call: _Call, x, h0: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(Z [H, K, V], M [H, K, K]): the window's leaving state from h0 [1, H, K, V] and its transition; one pass with
+    v widened by K zero columns and h0 by the identity where the kernels take that width, else two."""
     q, k, v, g, beta = x
-    K = q.shape[3]
-    h0 = torch.eye(K, dtype=call.state_dtype, device=v.device).expand(rows, v.shape[2], K, K).contiguous()
-    _, ht = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, h0, cu=cu)
-    return ht.to(call.state_dtype)
+    H, V = v.shape[2], v.shape[3]
+    eye = _eye(K, H, call.state_dtype, v.device)
+    if _can_widen(call, v, K):
+        _, ht = call.run(q, k, torch.nn.functional.pad(v, (0, K)), g, beta, torch.cat([h0, eye], dim=-1))
+        return ht[0, ..., :V], ht[0, ..., V:]
+    _, z = call.run(q, k, v, g, beta, h0)
+    _, m = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, eye)
+    return z[0], m[0]
 
 
-def _contribution(call: _Call, x, h0, want_transition: bool):
-    """Forward over one token range of one sequence: (Z [H, K, V], M [H, K, K] or None). With the transition the
-    entering state must be zero: the range then runs in pieces, Z and M folded from the pieces'."""
-    q, k, v, g, beta = x
-    V = v.shape[3]
-    if not want_transition:
-        _, ht = call.run(q, k, v, g, beta, h0)
-        return ht[0].to(call.state_dtype), None
-    cu, rows = _pieces(v.shape[1], v.device)
-    h0 = h0.expand(rows, *h0.shape[1:])
-    if _can_widen(call, v, q.shape[3]):
-        v2, h2 = _widened(call, v, h0, True)
-        _, ht = call.run(q, k, v2, g, beta, h2.contiguous(), cu=cu)
-        ht = ht.to(call.state_dtype)
-        zs, ms = ht[..., :V], ht[..., V:]
-    else:
-        _, zs = call.run(q, k, v, g, beta, h0.contiguous(), cu=cu)
-        zs, ms = zs.to(call.state_dtype), _transition(call, x, cu, rows)
-    Z, M = zs[0], ms[0]
-    for i in range(1, rows):
-        Z, M = zs[i] + ms[i] @ Z, ms[i] @ M
-    return Z, M
+def _too_large(m: torch.Tensor) -> torch.Tensor:
+    """Some head's transition [H, K, K] has Frobenius norm (>= its spectral norm) above the bound (0-d bool)."""
+    return (torch.linalg.matrix_norm(m) > TRANSITION_NORM_BOUND).any()
 
 
-def _state_gradient(call: _Call, x, do, dht, want_transition: bool):
-    """Backward over one token range of one sequence: (D = d loss / d entering state [H, K, V], M or None), where the
-    loss is <o, do> (+ <final state, dht> when dht is given), by autograd through the public function. With the
-    transition (and no dht) the range runs in pieces: D = D_1 + M_1^T (D_2 + M_2^T (...))."""
-    q, k, v, g, beta = (t.detach() for t in x)
-    H, K, V = v.shape[2], q.shape[3], v.shape[3]
-    cu, rows = _pieces(v.shape[1], v.device) if want_transition else (None, 1)
-    widen = want_transition and _can_widen(call, v, K)
-    h0 = v.new_zeros(rows, H, K, V, dtype=call.state_dtype)
-    v2, h2 = _widened(call, v, h0, widen)
-    h2 = h2.contiguous().requires_grad_(True)
-    with torch.enable_grad():
-        o, ht = call.run(q, k, v2, g, beta, h2, cu=cu)
-        outs, grads = [o[..., :V]], [do]
-        if dht is not None:
-            outs.append(ht[-1, ..., :V])
-            grads.append(dht.to(ht.dtype))
-        (dh0,) = torch.autograd.grad(outs, [h2], grads)
-    ds = dh0[..., :V].to(call.state_dtype)
-    if not want_transition:
-        return ds[0], None
-    if widen:
-        ms = ht.detach()[..., V:].to(call.state_dtype)
-    else:
-        with torch.no_grad():
-            ms = _transition(call, (q, k, v, g, beta), cu, rows)
-    D, M = ds[-1], ms[-1]
-    for i in range(rows - 2, -1, -1):
-        D, M = ds[i] + ms[i].transpose(-1, -2) @ D, M @ ms[i]
-    return D, M
+def _expansive(call: _Call, k, g, beta) -> torch.Tensor:
+    """Some factor exp(g) (I - beta k k^T) over these tokens may expand a state (0-d bool): g > 0, beta < 0, or the
+    largest beta times the largest |k|^2 above 2 (a sufficient test, one reduction each)."""
+    b_min, b_max = torch.aminmax(beta.float())
+    kk = 1.0 if call.l2norm else torch.linalg.vector_norm(k, dim=-1, dtype=torch.promote_types(k.dtype, torch.float32)).amax() ** 2
+    return (g.amax() > 0) | (b_min < 0) | (b_max * kk > 2.0)
 
 
-def _gate_windows(g, beta, k, call: _Call, reverse: bool, limit: int):
-    """Per v-head, the fewest tokens (from the range's end, or its start with reverse) whose summed g is
-    <= WARMUP_LOG_DECAY with every factor non-expansive over the ``limit`` tokens considered, else 0.
-
-    The running sums are taken along the innermost dimension ([Hv, w]): a scan along the token dimension of the
-    [w, Hv] layout runs Hv threads serially over w tokens (milliseconds in float64 at w = 8192). The
-    non-expansiveness test is a min / max, so k and beta are read in place, never flipped."""
-    if limit == 0:
-        return [0] * g.shape[2]
-    gw = (g[0, :limit] if reverse else g[0, -limit:]).double().t().contiguous()     # [Hv, w]
-    if not reverse:
-        gw = gw.flip(-1)                                                            # nearest the boundary first
-    hit = gw.cumsum(-1) <= WARMUP_LOG_DECAY
-    first = torch.where(hit.any(-1), hit.int().argmax(-1) + 1, torch.zeros_like(hit[:, 0], dtype=torch.long))
-    kw = k[0, :limit] if reverse else k[0, -limit:]
-    bw = beta[0, :limit] if reverse else beta[0, -limit:]
-    kk = torch.ones_like(bw, dtype=torch.float32) if call.l2norm else \
-        (kw.float() ** 2).sum(-1).repeat_interleave(call.group_size, dim=1)
-    bkk = bw.float() * kk
-    ok = (bkk.amin(0) >= 0) & (bkk.amax(0) <= 2.0)
-    return torch.where(ok, first, torch.zeros_like(first)).tolist()
+_OUT_DTYPE_BMM: dict = {}   # device type -> whether torch.bmm takes out_dtype there (the CUDA builds of torch >= 2.9)
 
 
-def _boundary(call: _Call, x, n: int, exact_own: Optional[dict], warmup: int, reverse: bool,
-              extra=None):
-    """The contribution of one boundary (forward: the state leaving the range; reverse: the gradient of the state
-    entering it) as (C [Hv, K, V], M [Hv, K, K] or None).
-
-    x: the rank's (q, k, v, g, beta) sliced to the sequence's range of n tokens on this rank, boundary side last
-    (forward) or first (reverse). exact_own: where the sequence starts (forward) / ends (reverse) on this rank,
-    {"h0": [1, Hv, K, V]} or {"dht": [Hv, K, V]} (the range alone is then exact); None: the range is a whole shard
-    inside one sequence, and exactness needs the transition M. extra: reverse only, (do sliced to the range, dht row
-    of the range's far end or None)."""
-    q, k, v, g, beta = x
-    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-    dev = v.device
-    window = min(n, warmup)
-
-    def span(lo, hi):
-        return tuple(t[:, lo:hi] for t in x)
-
-    def head_span(idx, lo, hi):
-        return _heads(call, idx, *span(lo, hi))
-
-    def forward_part(idx, lo, hi, own, transition):
-        xs = head_span(idx, lo, hi)
-        H = xs[2].shape[2]
-        if own and exact_own is not None:
-            h0 = exact_own["h0"] if idx is None else exact_own["h0"].index_select(1, idx)
-        else:
-            h0 = v.new_zeros(1, H, K, V, dtype=call.state_dtype)
-        return _contribution(call, xs, h0, transition)
-
-    def reverse_part(idx, lo, hi, own, transition):
-        xs = head_span(idx, lo, hi)
-        do = extra[0][:, lo:hi]
-        do = do if idx is None else do.index_select(2, idx)
-        dht = None
-        if own and exact_own is not None:
-            dht = exact_own["dht"] if idx is None else exact_own["dht"].index_select(0, idx)
-        return _state_gradient(call, xs, do, dht, transition)
-
-    part = reverse_part if reverse else forward_part
-
-    def rng(w):  # the w tokens nearest the boundary
-        return (0, w) if reverse else (n - w, n)
-
-    C = torch.zeros(Hv, K, V, dtype=call.state_dtype, device=dev)
-    M = None
-    if window == n and exact_own is not None:          # the range is short: run it exactly, no transition
-        C, _ = part(None, 0, n, True, False)
-        return C, None
-    gate = _gate_windows(g, beta, k, call, reverse, window)
-    gated = [h for h in range(Hv) if gate[h] > 0]
-    rest = [h for h in range(Hv) if gate[h] == 0]
-    if gated:
-        w = max(gate[h] for h in gated)
-        # heads that need the probe window anyway run it below, so gated heads alone use their (short) window
-        idx = None if not rest else torch.tensor(gated, device=dev)
-        c, _ = part(idx, *rng(w), False, False)
-        C[gated] = c
-    if not rest:
-        return C, None
-    exact = rest
-    if window > 0:
-        idx = None if not gated else torch.tensor(rest, device=dev)
-        c, m = part(idx, *rng(window), window == n, True)
-        if window == n:                                  # the probe covered the whole shard: exact with M
-            C[rest] = c if extra is None or extra[1] is None else c + m.transpose(-1, -2) @ extra[1][rest].to(c)
-            M = torch.zeros(Hv, K, K, dtype=call.state_dtype, device=dev)
-            M[rest] = m
-            return C, M
-        norms = torch.linalg.matrix_norm(m.double()).tolist()
-        ok = [i for i, s in enumerate(norms) if s <= TRANSITION_NORM_BOUND]
-        if ok:
-            C[[rest[i] for i in ok]] = c[ok]
-        exact = [rest[i] for i in range(len(rest)) if norms[i] > TRANSITION_NORM_BOUND]
-    if not exact:
-        return C, None
-    idx = None if len(exact) == Hv else torch.tensor(exact, device=dev)
-    if exact_own is not None:                            # the sequence starts / ends here: own range is exact
-        c, _ = part(idx, 0, n, True, False)
-        C[exact] = c
-        return C, None
-    c, m = part(idx, 0, n, False, True)                  # a shard inside one sequence: Z (or D) and M
-    if reverse and extra[1] is not None:                 # the user's gradient of the boundary state at the far end
-        dht = extra[1] if idx is None else extra[1].index_select(0, idx)
-        c = c + m.transpose(-1, -2) @ dht.to(c)
-    C[exact] = c
-    M = torch.zeros(Hv, K, K, dtype=call.state_dtype, device=dev)
-    M[exact] = m
-    return C, M
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b batched, accumulated and returned in float32 (float64 stays float64). 16-bit operands on CUDA stay
+    16-bit (bmm's out_dtype) where torch has it; otherwise they are widened first: the same numbers either way."""
+    if a.dtype in (torch.float16, torch.bfloat16) and a.is_cuda and _OUT_DTYPE_BMM.get("cuda", True):
+        try:
+            out = torch.bmm(a, b.to(a.dtype), out_dtype=torch.float32)
+            _OUT_DTYPE_BMM["cuda"] = True
+            return out
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_BMM["cuda"] = False
+    dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return torch.bmm(a.to(dt), b.to(dt))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# exchange
-
-def _all_gather(ctx: CPContext, C: torch.Tensor, M: Optional[torch.Tensor]):
-    """All ranks' (C, M): one all-gather; M travels only where some rank of the group is a transit rank."""
-    carry_m = any(ctx.transit(r) for r in range(ctx.world_size))
-    Hv, K, V = C.shape
-    if carry_m:
-        M = M if M is not None else C.new_zeros(Hv, K, K)
-        payload = torch.cat([C.reshape(-1), M.reshape(-1)])
-    else:
-        payload = C.reshape(-1).contiguous()
-    bufs = [torch.empty_like(payload) for _ in range(ctx.world_size)]
-    dist.all_gather(bufs, payload, group=ctx.group)
-    Cs = [b[:Hv * K * V].view(Hv, K, V) for b in bufs]
-    Ms = [b[Hv * K * V:].view(Hv, K, K) for b in bufs] if carry_m else None
-    return Cs, Ms
-
-
-def _entering_state(ctx: CPContext, Cs, Ms) -> torch.Tensor:
-    """The state entering this rank's local sequence 0 from the chain of earlier ranks."""
-    j = ctx.rank - ctx.pre_num_ranks
-    h = Cs[j]
-    for s in range(j + 1, ctx.rank):
-        h = Cs[s] + Ms[s] @ h
-    return h
-
-
-def _leaving_gradient(ctx: CPContext, Cs, Ms) -> torch.Tensor:
-    """The gradient of the state leaving this rank's last local sequence, from the chain of later ranks."""
-    j = ctx.rank + ctx.post_num_ranks
-    d = Cs[j]
-    for s in range(j - 1, ctx.rank, -1):
-        d = Cs[s] + Ms[s].transpose(-1, -2) @ d
-    return d
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# autograd: the reverse exchange runs before the local backward
-
-class _Spec:
-    def __init__(self, ctx: CPContext, call: _Call):
-        self.ctx, self.call = ctx, call
-
-
-@torch.profiler.record_function("cp.backward.boundary")
-def _reverse_part(ctx: CPContext, call: _Call, x, do, dht):
-    """(D, M) of this rank's first sequence, continued from the previous rank (see _boundary)."""
-    n = int(ctx.cu_seqlens_cpu[1])
-    ends_here = ctx.num_seqs > 1 or ctx.post_num_ranks == 0
-    xs = tuple(t.detach()[:, :n] for t in x)
-    own = {"dht": dht[0]} if ends_here else None
-    far = None if ends_here else dht[0]
-    return _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=True, extra=(do[:, :n], far))
-
-
-class _ReverseExchange(torch.autograd.Function):
-    """Identity on (o, final state) in the forward; in the backward it computes this rank's reverse boundary
-    contribution, exchanges, and adds the gradient arriving from later ranks to the last sequence's final-state
-    gradient, so the local backward (autograd through the public function) sees the whole dht."""
-
-    @staticmethod
-    def forward(fctx, o, ht, q, k, v, g, beta, spec):
-        fctx.spec = spec
-        fctx.save_for_backward(q, k, v, g, beta)
-        return o.view_as(o), ht.view_as(ht)
-
-    @staticmethod
-    def backward(fctx, do, dht):
-        spec = fctx.spec
-        ctx, call = spec.ctx, spec.call
-        x = fctx.saved_tensors
-        v = x[2]
-        Hv, K, V = v.shape[2], x[0].shape[3], v.shape[3]
-        if do is None:
-            do = torch.zeros_like(v)
-        if dht is None:
-            dht = torch.zeros(ctx.num_seqs, Hv, K, V, dtype=call.state_dtype, device=v.device)
-        C = torch.zeros(Hv, K, V, dtype=call.state_dtype, device=v.device)
-        M = None
-        if ctx.pre_num_ranks > 0:                          # this rank's first sequence is continued: reverse part
-            C, M = _reverse_part(ctx, call, x, do, dht)
-        with torch.profiler.record_function("cp.backward.exchange"):
-            Cs, Ms = _all_gather(ctx, C, M)
-        if ctx.post_num_ranks > 0:
-            dht = dht.clone()
-            dht[-1] = dht[-1] + _leaving_gradient(ctx, Cs, Ms).to(dht.dtype)
-        return do, dht, None, None, None, None, None, None
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the side stream and the correction by the entering state
-
-_ROW0_ERROR = ("initial_state row 0 belongs to global sequence {seq}, continued from rank {prev}: its entering state "
-               "comes from there, so the row must be zero")
-
+# streams
 
 class _Side:
-    """On CUDA, a high-priority stream that runs the boundary, the exchange and the correction beside the main pass
-    (it waits only for what the main stream had queued when it was made); elsewhere a no-op. Host reads made inside
-    it (the warm-up decisions) wait for this stream alone, not for the main pass."""
+    """On CUDA, a high-priority stream for the boundary work beside the main pass (it waits only for what the main
+    stream had queued when it was made); elsewhere a no-op. Host reads made inside it wait for this stream alone."""
     _streams: dict = {}
 
     def __init__(self, device: torch.device):
@@ -522,55 +315,286 @@ class _Side:
             self._ctx.__exit__(*exc)
         return False
 
-    def keep(self, t: Optional[torch.Tensor]) -> None:
-        """t (made on the main stream) is read on the side stream: its memory is not reused before that is done."""
-        if self.stream is not None and t is not None:
-            t.record_stream(self.stream)
+    def keep(self, *ts) -> None:
+        """Tensors made on the main stream and read on the side stream: their memory waits for it."""
+        if self.stream is not None:
+            for t in ts:
+                if t is not None:
+                    t.record_stream(self.stream)
+
+    def hand(self, *ts) -> None:
+        """Tensors made on the side stream and read on the main stream: their memory waits for it."""
+        if self.stream is not None:
+            for t in ts:
+                if t is not None:
+                    t.record_stream(self.main)
+
+    def mark(self):
+        """An event on the main stream at this point (None on CPU)."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.main)
+        return ev
+
+    def wait(self, ev) -> None:
+        if ev is not None:
+            self.stream.wait_event(ev)
 
     def join(self) -> None:
         if self.stream is not None:
             self.main.wait_stream(self.stream)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the boundaries and their exchange
+
 @dataclass
-class _Fix:
-    o: torch.Tensor           # [1, w, Hv, V]: the entering state's part of o over the first w tokens
-    state: torch.Tensor       # [Hv, K, V]: the entering state's part of the state after them
-    exact: bool               # w covers the whole first local sequence
-    small: bool               # else: that state is below e^-10 of the entering state (the warm-up bound)
+class _Boundary:
+    lay: _Layout
+    head_in: tuple                        # the head window's leaves (q, k, g, beta slices)
+    head_out: tuple                       # its (o, final) with their graph when built with grad
+    h_in: Optional[torch.Tensor]          # [Hv, K, V] the state entering local sequence 0 (None: it starts here)
+    ms: Optional[torch.Tensor]            # [world, Hv, K, K] every rank's sent transition (carry_m), or None
+    o_corr: Optional[torch.Tensor]        # [Hv, head, V] the entering state's part of o over the head window
+    s_corr: Optional[torch.Tensor]        # [Hv, K, V] its part of local sequence 0's final state (head_covers)
+    missed: torch.Tensor                  # 0-d bool: some rank's window missed the bound
+
+    @property
+    def qd(self) -> torch.Tensor:         # [Hv, head, K]
+        return self.head_out[0].detach()[0].transpose(0, 1)
+
+    @property
+    def mc(self) -> torch.Tensor:         # [Hv, K, K]
+        return self.head_out[1].detach()[0]
 
 
-def _correction(call: _Call, ctx: CPContext, x, h_in: torch.Tensor, o_dtype: torch.dtype) -> _Fix:
-    """The entering state's part of o (the recurrence is linear in (entering state, v)): the first local sequence
-    run from h_in with v = 0 over its first ``warmup_tokens`` tokens (all of it when shorter, or with
-    warmup_tokens = 0), differentiable in q, k, g, beta (h_in is a constant here: its gradient goes to the earlier
-    ranks through the reverse exchange)."""
-    q, k, g, beta = x
-    n0 = int(ctx.cu_seqlens_cpu[1])
-    w = n0 if ctx.warmup_tokens == 0 else min(n0, ctx.warmup_tokens)
-    Hv, K, V = h_in.shape
-    v0 = torch.zeros(1, w, Hv, V, dtype=o_dtype, device=q.device)
-    o_c, s_c = call.run(q[:, :w], k[:, :w], v0, g[:, :w], beta[:, :w], h_in[None].detach())
-    if w == n0:
-        return _Fix(o_c, s_c[0], True, True)
-    left = torch.linalg.vector_norm(s_c[0].detach().double(), dim=(-2, -1))
-    bound = TRANSITION_NORM_BOUND * torch.linalg.vector_norm(h_in.double(), dim=(-2, -1))
-    return _Fix(o_c, s_c[0], False, bool((left <= bound).all()))
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
+_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _AddPrefix(torch.autograd.Function):
-    """o[:, :w] += p in place (o is the main pass's output, too large to copy): the gradient passes to both."""
+def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
+    """Every rank's payload, [world, n]: one all-gather into one buffer."""
+    out = payload.new_empty(ctx.world_size * payload.numel())
+    _GATHER_SINGLE(out, payload, group=ctx.group)
+    return out.view(ctx.world_size, -1)
+
+
+def _entering_state(ctx: "CPContext", Cs, Ms) -> torch.Tensor:
+    """The state entering this rank's local sequence 0 from the chain of earlier ranks."""
+    if Ms is None:                                   # no transition travels: every link is the previous rank's Z
+        return Cs[ctx.rank - 1]
+    j = ctx.rank - ctx.pre_num_ranks
+    h = Cs[j]
+    for s in range(j + 1, ctx.rank):
+        h = Cs[s] + Ms[s] @ h
+    return h
+
+
+def _leaving_gradient(ctx: "CPContext", Ds, Ms) -> torch.Tensor:
+    """The gradient of the state leaving this rank's last local sequence, from the chain of later ranks."""
+    if Ms is None:
+        return Ds[ctx.rank + 1]
+    j = ctx.rank + ctx.post_num_ranks
+    d = Ds[j]
+    for s in range(j - 1, ctx.rank, -1):
+        d = Ds[s] + Ms[s].transpose(-1, -2) @ d
+    return d
+
+
+def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, graph: bool) -> _Boundary:
+    """The head and tail windows, the exchange and the correction by the entering state (run on the side stream)."""
+    q, k, v, g, beta = x
+    P, Hv, K, V = ctx.part_len, v.shape[2], q.shape[3], v.shape[3]
+    sd, dev = call.state_dtype, v.device
+    misses = []
+    head_in, head_out = (), ()
+    with torch.profiler.record_function("cp.forward.boundary"):
+        if lay.head:
+            head_in = tuple(t[:, :lay.head].detach() for t in (q, k, g, beta))
+            if graph:
+                head_in = tuple(h.requires_grad_(t.requires_grad) for h, t in zip(head_in, (q, k, g, beta)))
+            with torch.set_grad_enabled(graph):
+                head_out = _head_run(call, head_in, Hv, K, v.dtype)
+            if not lay.head_covers:
+                n0 = int(ctx.cu_seqlens_cpu[1])
+                misses.append(_too_large(head_out[1].detach()[0]))
+                misses.append(_expansive(call, k[:, lay.head:n0], g[:, lay.head:n0], beta[:, lay.head:n0]))
+        C = M = None
+        if lay.tail:
+            xs = tuple(t[:, P - lay.tail:].detach() for t in x)
+            if lay.tail_own and lay.tail_covers and initial_state is not None:
+                h0 = initial_state[-1:].detach().to(sd)
+            else:
+                h0 = torch.zeros(1, Hv, K, V, dtype=sd, device=dev)
+            with torch.no_grad():
+                C, Mb = _tail_run(call, xs, h0, K)
+            if not lay.tail_covers:
+                misses.append(_too_large(Mb))
+            if lay.carry_m and lay.transit and lay.tail_covers:
+                M = Mb
+        miss = torch.stack(misses).any() if misses else torch.zeros((), dtype=torch.bool, device=dev)
+        parts = [(C if C is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
+        if lay.carry_m:
+            parts.append((M if M is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1).to(sd))
+        parts.append(miss.reshape(1).to(sd))
+        payload = torch.cat(parts)
+    with torch.profiler.record_function("cp.forward.exchange"):
+        rows = _all_gather(ctx, payload)
+    with torch.profiler.record_function("cp.forward.correction"):
+        n_c, n_m = Hv * K * V, Hv * K * K
+        Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
+        h_in = o_corr = s_corr = None
+        if ctx.pre_num_ranks > 0:
+            h_in = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V), Ms)
+            qd = head_out[0].detach()[0].transpose(0, 1)
+            o_corr = torch.bmm(qd, h_in.to(qd.dtype))
+            if lay.head_covers:
+                s_corr = torch.bmm(head_out[1].detach()[0].to(sd), h_in)
+        missed = rows[:, -1].amax() > 0
+    return _Boundary(lay, head_in, head_out, h_in, Ms, o_corr, s_corr, missed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward and backward
+
+_ROW0_ERROR = ("initial_state row 0 belongs to global sequence {seq}, continued from rank {prev}: its entering state "
+               "comes from there, so the row must be zero")
+
+
+@dataclass
+class _Saved:
+    main_in: tuple            # the main pass's leaves (q, k, v, g, beta, h0 or None)
+    main_out: tuple           # its (o, final or None) with their graph
+    b: _Boundary
+
+
+def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, graph: bool):
+    """(o, final state or None, what the backward needs or None)."""
+    q, k, v, g, beta = x
+    # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
+    h_own = initial_state
+    if initial_state is not None and ctx.pre_num_ranks > 0:
+        h_own = initial_state.detach().clone()
+        h_own[0] = 0
+    if graph:
+        main_in = tuple(t.detach().requires_grad_(t.requires_grad) for t in x) + (
+            None if h_own is None else h_own.detach().requires_grad_(initial_state.requires_grad),)
+    else:
+        main_in = tuple(x) + (h_own,)
+    final = want_final or (graph and ctx.post_num_ranks > 0)
+    side = _Side(q.device)
+    with torch.profiler.record_function("cp.forward.local"), torch.set_grad_enabled(graph):
+        o_m, ht_m = _run_local(call, ctx, *main_in, final)
+    # beside it: the windows, the exchange and the correction; one host read (the flags) waits for this stream alone
+    STATS["calls"] += 1
+    with side:
+        side.keep(q, k, v, g, beta, initial_state)
+        # checked before any collective, so a refused call leaves no rank waiting (a read of this stream alone,
+        # made only where an initial state is given)
+        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        b = _boundaries(call, ctx, _layout(ctx, False), x, initial_state, graph)
+        if bool(b.missed):                          # every rank saw the same flags: all run the boundaries exactly
+            STATS["exact_fallback"] += 1
+            b = _boundaries(call, ctx, _layout(ctx, True), x, initial_state, graph)
+        side.hand(b.o_corr, b.s_corr, b.h_in, b.ms, *b.head_out)
+    side.join()
+    o = o_m.detach()
+    if b.o_corr is not None:
+        o[0, :b.lay.head].add_(b.o_corr.transpose(0, 1))
+    ht = None
+    if want_final:
+        ht = ht_m.detach()
+        if b.s_corr is not None:
+            ht = ht.clone()
+            ht[0] += b.s_corr.to(ht.dtype)
+    saved = _Saved(main_in, (o_m, ht_m if final else None), b) if graph else None
+    return o, ht, saved
+
+
+def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
+    """Gradients (q, k, v, g, beta, initial_state) of this rank's call; exchanges with the other ranks' backward."""
+    b, lay = s.b, s.b.lay
+    o_m, ht_m = s.main_out
+    v = s.main_in[2]
+    Hv, K, V = v.shape[2], s.main_in[0].shape[3], v.shape[3]
+    sd, dev = call.state_dtype, v.device
+    side = _Side(dev)
+    # the gradient of the state entering this rank (its head window's), exchanged at once
+    with torch.profiler.record_function("cp.backward.exchange"):
+        D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
+        if lay.head and do is not None:
+            D = _bmm_f32(b.qd.transpose(1, 2), do[0, :lay.head].transpose(0, 1)).to(sd)
+        if lay.head_covers and dht is not None:
+            D = D + b.mc.transpose(-1, -2).to(sd) @ dht[0].to(sd)
+        rows = _all_gather(ctx, D.reshape(-1))
+        dht_all = dht
+        if ctx.post_num_ranks > 0:
+            dht_all = dht.clone() if dht is not None else \
+                torch.zeros(ctx.num_seqs, Hv, K, V, dtype=ht_m.dtype, device=dev)
+            dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
+    ready = side.mark()
+    # the local backward, with the whole final-state gradient
+    with torch.profiler.record_function("cp.backward.local"):
+        outs, seeds = [o_m], [do if do is not None else torch.zeros_like(o_m)]
+        if ht_m is not None and dht_all is not None:
+            outs.append(ht_m)
+            seeds.append(dht_all.to(ht_m.dtype))
+        wanted = [i for i, t in enumerate(s.main_in) if t is not None and t.requires_grad]
+        got = torch.autograd.grad(outs, [s.main_in[i] for i in wanted], seeds, allow_unused=True)
+        grads: List[Optional[torch.Tensor]] = [None] * 6
+        for i, gr in zip(wanted, got):
+            grads[i] = gr
+    # beside it: the head window's share (the correction o += Q h_in, and final += M h_in where it holds sequence 0)
+    head_wanted = [i for i, t in enumerate(b.head_in) if t.requires_grad]
+    if lay.head and head_wanted and (do is not None or (lay.head_covers and dht_all is not None)):
+        with side, torch.profiler.record_function("cp.backward.correction"):
+            side.wait(ready)
+            if do is not None:
+                side.keep(do)
+            outs, seeds = [], []
+            h_t = b.h_in.transpose(-1, -2)
+            if do is not None:
+                dq_back = torch.bmm(do[0, :lay.head].transpose(0, 1), h_t.to(do.dtype))    # [Hv, head, K]
+                outs.append(b.head_out[0])
+                seeds.append(dq_back.transpose(0, 1)[None].to(b.head_out[0].dtype))
+            if lay.head_covers and dht_all is not None:
+                outs.append(b.head_out[1])
+                seeds.append((dht_all[0].to(sd) @ h_t)[None].to(b.head_out[1].dtype))
+            hgot = torch.autograd.grad(outs, [b.head_in[i] for i in head_wanted], seeds, allow_unused=True)
+            side.hand(*hgot)
+        side.join()
+        slot = {0: 0, 1: 1, 2: 3, 3: 4}                 # head leaves (q, k, g, beta) -> input index
+        for i, hg in zip(head_wanted, hgot):
+            if hg is None:
+                continue
+            j = slot[i]
+            if grads[j] is None:
+                grads[j] = torch.zeros_like(s.main_in[j])
+            grads[j][:, :lay.head] += hg.to(grads[j].dtype)
+    if grads[5] is not None and ctx.pre_num_ranks > 0:
+        grads[5][0] = 0                                  # row 0 is not read: its state comes from the previous rank
+    return tuple(grads)
+
+
+class _CP(torch.autograd.Function):
+    """The linked call as one autograd node: the main pass and the head window keep their own graphs (through the
+    public function), and the backward runs the reverse exchange before the local backward."""
 
     @staticmethod
-    def forward(fctx, o, p):
-        fctx.w = p.shape[1]
-        o[:, :p.shape[1]].add_(p)
-        fctx.mark_dirty(o)
-        return o
+    def forward(fctx, call, ctx, want_final, q, k, v, g, beta, initial_state):
+        o, ht, saved = _forward(call, ctx, (q, k, v, g, beta), initial_state, want_final, graph=True)
+        fctx.call, fctx.cp, fctx.saved = call, ctx, saved
+        return o, ht
 
     @staticmethod
-    def backward(fctx, do):
-        return do, do[:, :fctx.w]
+    @torch.autograd.function.once_differentiable
+    def backward(fctx, do, dht):
+        saved, fctx.saved = fctx.saved, None
+        if saved is None:
+            raise RuntimeError("the context-parallel call's backward ran twice; pass retain_graph=False")
+        return (None, None, None) + _backward(fctx.call, fctx.cp, saved, do, dht)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -609,66 +633,16 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ctx = cp_context
     _check_context(ctx, q, v, initial_state)
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
-    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, Hv // problem.num_qk_heads, state_dtype)
-    linked = ctx.world_size > 1 and ctx.has_links
-    if not linked:
+    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, state_dtype)
+    if not (ctx.world_size > 1 and ctx.has_links):
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
-
-    # The main pass starts at once, with zero entering state for a sequence continued from an earlier rank; the
-    # boundary, the exchange and the correction by the entering state run beside it on a side stream.
-    h_own = initial_state
-    if initial_state is not None and ctx.pre_num_ranks > 0:   # row 0 enters from the chain: it gets no gradient
-        h_own = torch.cat([torch.zeros_like(initial_state[:1]), initial_state[1:]])
-    side = _Side(q.device)
-    with torch.profiler.record_function("cp.forward.local"):
-        o, ht = _run_local(call, ctx, q, k, v, g, beta, h_own, True)
-    with side:
-        for t in (q, k, v, g, beta, initial_state):
-            side.keep(t)
-        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
-            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        with torch.no_grad(), torch.profiler.record_function("cp.forward.boundary"):
-            C = torch.zeros(Hv, K, V, dtype=state_dtype, device=q.device)
-            M = None
-            if ctx.post_num_ranks > 0:                              # this rank's last sequence goes on: forward part
-                a = int(ctx.cu_seqlens_cpu[-2])
-                n = ctx.part_len - a
-                starts_here = ctx.num_seqs > 1 or ctx.pre_num_ranks == 0
-                xs = tuple(t.detach()[:, a:] for t in (q, k, v, g, beta))
-                own = None
-                if starts_here:
-                    h0 = initial_state[-1:].detach() if initial_state is not None else \
-                        q.new_zeros(1, Hv, K, V, dtype=state_dtype)
-                    own = {"h0": h0.to(state_dtype)}
-                C, M = _boundary(call, xs, n, own, ctx.warmup_tokens, reverse=False)
-        with torch.no_grad(), torch.profiler.record_function("cp.forward.exchange"):
-            Cs, Ms = _all_gather(ctx, C, M)
-            h_in = _entering_state(ctx, Cs, Ms) if ctx.pre_num_ranks > 0 else None
-        fix = None
-        if h_in is not None:
-            with torch.profiler.record_function("cp.forward.correction"):
-                fix = _correction(call, ctx, (q, k, g, beta), h_in, v.dtype)
-    side.join()
-    if fix is None:
-        pass
-    elif fix.exact or fix.small:
-        if torch.is_grad_enabled() and (o.requires_grad or fix.o.requires_grad):
-            o = _AddPrefix.apply(o, fix.o)
-        else:
-            o[:, :fix.o.shape[1]].add_(fix.o)
-        if fix.exact:                                           # the correction covered the whole first sequence
-            ht = torch.cat([ht[:1] + fix.state[None], ht[1:]])
-    else:                                                       # the entering state outlives the window: exact pass
-        h_init = torch.cat([h_in[None].to(ht.dtype if h_own is None else h_own.dtype),
-                            h_own[1:] if h_own is not None else ht.new_zeros(ctx.num_seqs - 1, Hv, K, V)])
-        o, ht = _run_local(call, ctx, q, k, v, g, beta, h_init, True)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, o, ht)):
-        o, ht = _ReverseExchange.apply(o, ht, q, k, v, g, beta, _Spec(ctx, call))
-    return o, (ht if output_final_state else None)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
+    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state, graph=False)
+    return o, ht
 
 
 def _run_local(call: _Call, ctx: CPContext, q, k, v, g, beta, h0, final):

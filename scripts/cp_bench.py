@@ -5,10 +5,12 @@ NCCL), forward and backward, ours (flash_qla.distributed; the plain single-GPU c
 usage: python3 scripts/cp_bench.py --lib ours|fla --out-dir DIR [--worlds 1,2,4] [--tokens 131072,524288,1048576]
                                    [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10] [--commit SHA]
                                    [--profile [--trace FILE]]
-Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms]} to DIR/<card>.jsonl.
-ms: the median over iterations of the slowest rank's wall time of one call (synchronised before and after, so the
-host synchronisations inside the call count). local_ms (ours, world size > 1): the same for the plain single-GPU
-call on the rank's shard alone, the floor CP's exchange and warm-ups add to. Inputs as the project's benchmark
+Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms, exact_fallbacks]} to
+DIR/<card>.jsonl. ms: the median over iterations of the slowest rank's wall time of one call (synchronised before and
+after, so the host synchronisations inside the call count). local_ms (ours, world size > 1): the same for the plain
+single-GPU call on the rank's shard alone (an entering state in, the final state out), the floor CP's windows and
+exchange add to; exact_fallbacks: how many of the row's timed CP calls found a window too short and ran their
+boundaries exactly (0 where the times are the windowed path's). Inputs as the project's benchmark
 draws them (flash_qla.bench.inputs): unit q / k in bf16, g = logsigmoid(randn) / 16 with a quarter of the v-heads at
 g = 0, beta = sigmoid(randn); each rank draws its own shard.
 """
@@ -93,6 +95,11 @@ def ours_calls(world, cu, rank):
     return lambda x: chunk_gated_delta_rule_cp(*x, cp_context=ctx)[0], local
 
 
+def _fallbacks() -> int:
+    from flash_qla.distributed import STATS
+    return STATS["exact_fallback"]
+
+
 def fla_calls(world, cu, rank):
     from fla.ops.cp import build_cp_context
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -124,6 +131,7 @@ def worker(rank, world, args, init_file, out_path):
                            card=card_name())
                 if args.commit:
                     row["commit"] = args.commit
+                fallbacks = _fallbacks() if args.lib == "ours" else 0
                 try:
                     if pass_ == "fwd":
                         x, _ = shard(P, hq, hv, rank, device, False)
@@ -143,6 +151,8 @@ def worker(rank, world, args, init_file, out_path):
                 except Exception as e:  # recorded, not hidden: an OOM at world size 1, FLA's Triton check
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                     row["ms"] = None
+                if local is not None:
+                    row["exact_fallbacks"] = _fallbacks() - fallbacks
                 x = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

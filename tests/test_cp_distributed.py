@@ -1,7 +1,6 @@
 """Context parallelism across ranks on CPU tensors over gloo: every rank's o, final states and every local gradient
 against the fp64 token loop run over the whole batch (sequences crossing rank boundaries, strong decay, g = 0
 heads, GVA, initial states, the warm-up shortcuts and the exact transitions)."""
-import math
 
 import pytest
 import torch
@@ -68,10 +67,29 @@ CASES = [
     # from the exact entering state (the 8.0-decay head's correction alone would have been enough)
     ("window_too_short", 2, 64, [0, 128], 1, 2, 16, 8, [0.0, 8.0], 16, False, 2e-4),
     ("boundaries_between_sequences", 4, 64, [0, 64, 128, 200, 256], 2, 2, 8, 8, [0.0, 2.0], 8192, False, 1e-9),
+    # windows shorter than the shards with every head decaying: the chain is cut at every rank (ranks 1 and 2 lie
+    # inside sequence 1 and send no transition), rank 3's head window holds sequence 1's last 12 tokens; with 64 tokens
+    # rank 0's tail window holds sequence 1's first 56 from its initial state
+    ("transit_windows_32", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 32, False, 1e-7),
+    ("transit_windows_64", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 64, True, 1e-7),
 ]
+# whether a case's windows miss the bound somewhere, so that every rank runs its boundaries exactly (None: windows
+# that hold whole ranges, nothing to miss)
+FALLS_BACK = {"window_too_short": True, "one_sequence_probe": False, "transit_windows_32": False,
+              "transit_windows_64": False}
 
 
 def _check_case(rank, world, case):
+    before = dict(cpd.STATS)
+    _run_case(rank, world, case)
+    calls = cpd.STATS["calls"] - before.get("calls", 0)
+    fallbacks = cpd.STATS["exact_fallback"] - before.get("exact_fallback", 0)
+    assert calls == 2, (case[0], rank, calls)                  # the call and the routed call
+    if FALLS_BACK.get(case[0]) is not None:
+        assert fallbacks == (calls if FALLS_BACK[case[0]] else 0), (case[0], rank, fallbacks)
+
+
+def _run_case(rank, world, case):
     name, _, part, cu, hq, hv, K, V, decay, warmup, l2norm, tol = case
     T = part * world
     x, h0_global, do_global = make_inputs(T, hq, hv, K, V, len(cu) - 1, seed=len(name), decay=decay)
@@ -123,7 +141,7 @@ def _check_case(rank, world, case):
 def _worker(rank, world, init_file, names):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    cpd.PIECE_TOKENS = 48  # the test's windows are short: cut them into pieces too
+
     try:
         for case in CASES:
             if case[0] in names:
@@ -174,4 +192,4 @@ def test_two_ranks_against_fp64_loop(tmp_path):
 
 def test_four_ranks_against_fp64_loop(tmp_path):
     _spawn(4, {"spanning_four_default", "spanning_four_exact", "one_sequence_probe",
-               "boundaries_between_sequences"}, tmp_path)
+               "boundaries_between_sequences", "transit_windows_32", "transit_windows_64"}, tmp_path)

@@ -2,6 +2,7 @@
 states and every local gradient against the fp64 reference of the whole batch and against the single-GPU kernels on
 the whole batch; the CP error must stay at the single-GPU path's level. Needs at least two sm_90 GPUs."""
 import os
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,11 @@ CASES = [
     ("one_sequence", 4096, [0.0, 1.0], 2, 4, 128, 128, torch.bfloat16, False, 8192),
     ("crossing_gva_exact", 4096, [0.0, 0.06, 0.55, 0.8, 1.0], 1, 4, 64, 256, torch.float16, True, 0),
     ("crossing_short_window", 3000, [0.0, 0.3, 0.9, 1.0], 2, 4, 128, 64, torch.bfloat16, False, 512),
+    # shards twice the window: every boundary is cut at 8192 tokens (the g = 0 head's keys forget within ~4.5k)
+    ("one_sequence_windows", 16384, [0.0, 1.0], 2, 4, 128, 128, torch.bfloat16, False, 8192),
 ]
+# the cases whose windows must hold (no rank runs its boundaries exactly); 512 tokens cannot forget a g = 0 head
+WINDOWS_HOLD = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
 
 
 def _inputs(T, hq, hv, K, V, nseq, dtype, device, seed):
@@ -47,7 +52,11 @@ def _grads(fn, x, h0, do, dht_fn):
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
     h = h0.detach().clone().requires_grad_(True)
     o, ht = fn(leaves, h)
-    torch.autograd.backward([o, ht], [do.to(o.dtype), dht_fn(ht).to(ht.dtype)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.autograd.backward([o, ht], [do.to(o.dtype), dht_fn(ht).to(ht.dtype)])
+    # every gradient reaches the leaves on the stream that made it (the side stream's are joined first)
+    assert not [w for w in caught if "stream" in str(w.message)], [str(w.message) for w in caught]
     grads = {"d" + n: t.grad for n, t in leaves.items()}
     grads["dh0"] = h.grad if h.grad is not None else torch.zeros_like(h)
     return o.detach(), ht.detach(), grads
@@ -55,9 +64,9 @@ def _grads(fn, x, h0, do, dht_fn):
 
 def _case(rank, world, case, log):
     import flash_qla
-    from flash_qla import reference
-    from flash_qla.distributed import build_cp_context, chunk_gated_delta_rule_cp
+    from flash_qla.distributed import STATS, build_cp_context, chunk_gated_delta_rule_cp
     name, part, fracs, hq, hv, K, V, dtype, l2norm, warmup = case
+    fallbacks = STATS["exact_fallback"]
     T = part * world
     cu = sorted({0, T, *[int(f * T) for f in fracs]})
     dev = torch.device("cuda", rank)
@@ -84,6 +93,8 @@ def _case(rank, world, case, log):
                                                    use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ctx.cu_seqlens,
                                                    cp_context=ctx)
     assert torch.equal(o_routed, o), (name, rank, "routed call")
+    if name in WINDOWS_HOLD:
+        assert (STATS["exact_fallback"] == fallbacks) == WINDOWS_HOLD[name], (name, rank, dict(STATS))
 
     def whole(backend, cast):
         def fn(leaves, h):
