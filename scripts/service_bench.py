@@ -12,8 +12,11 @@ service with free compute would reach. Two modes are timed, each against its own
 
 The clients run in ``--client-procs`` processes (so the client side is not the limit); phases alternate
 echo / service for ``--rounds`` rounds. Writes one JSON object: tokens/s, requests/s, p50/p99 latency and bytes
-per turn of every phase, and service/echo per mode. Before timing, a session's three turns are checked against
-one direct ``flash_qla.chunk_gated_delta_rule`` call over the same tokens.
+per turn of every phase, the CPU time the server and the clients used (cores busy, and the server's per
+request), and service/echo per mode. Before timing, a session's three turns are checked against one direct
+``flash_qla.chunk_gated_delta_rule`` call over the same tokens. ``--profile-dir`` adds, after the timed rounds,
+one service phase per mode under ``py-spy record --gil`` (which thread holds Python's GIL, and where), written
+there as collapsed stacks.
 
 GPU:  python scripts/service_bench.py --backend kernels --out bench/results/h100/service.json
 CPU:  python scripts/service_bench.py --backend reference --heads 2 4 --head-dim 16 --min-len 4 --max-len 32 \\
@@ -71,6 +74,10 @@ def parse_args():
     p.add_argument("--batch-wait-ms", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON file (printed to stdout as well)")
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="after the timed rounds, record the server under py-spy --gil for one service phase per "
+                        "mode (needs py-spy and the right to read the server's memory)")
+    p.add_argument("--profile-s", type=float, default=5.0, help="length of each profiled phase")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.backend == "kernels" else "float32")
     args.client_procs = max(1, min(args.client_procs, args.clients))
@@ -119,6 +126,7 @@ async def _drive(url: str, turns: List[list], start_at: float, duration_s: float
     """Each client posts its next turn as soon as its previous answer arrived, until the time is up."""
     latencies, statuses = [], {}
     tokens = sent = received = 0
+    cpu_before = time.process_time()
     limits = httpx.Limits(max_connections=len(turns), max_keepalive_connections=len(turns))
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         async def one(client_turns):
@@ -138,7 +146,8 @@ async def _drive(url: str, turns: List[list], start_at: float, duration_s: float
 
         await asyncio.sleep(max(0.0, start_at - time.time()))
         await asyncio.gather(*(one(t) for t in turns))
-    return {"latencies": latencies, "statuses": statuses, "tokens": tokens, "sent": sent, "received": received}
+    return {"latencies": latencies, "statuses": statuses, "tokens": tokens, "sent": sent, "received": received,
+            "cpu_s": time.process_time() - cpu_before}
 
 
 def _worker(conn, args, clients: List[int], session_ids: Dict[int, str]):
@@ -223,6 +232,19 @@ def check_against_direct_call(args, url: str) -> Dict[str, float]:
             "final_state_rel_l2": relative_l2(state, final[0].cpu())}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def py_spy_gil(pid: int, duration_s: float, out: Path) -> subprocess.Popen:
+    """py-spy sampling which thread holds the GIL (and its stack) for ``duration_s``, into ``out``."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--gil", "--threads", "--nonblocking",
+                             "--rate", "250", "--duration", str(int(math.ceil(duration_s))), "--format", "raw",
+                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def summarize(parts: List[dict], seconds: float) -> dict:
     latencies = [x for p in parts for x in p["latencies"]]
     statuses: Dict[str, int] = {}
@@ -233,6 +255,8 @@ def summarize(parts: List[dict], seconds: float) -> dict:
     n = len(latencies)
     return {"requests": n, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "requests_per_s": n / seconds, "mbytes_per_s": (sent + received) / seconds / 1e6,
+            "client_cores_busy": sum(p["cpu_s"] for p in parts) / seconds,
+            "client_max_core_busy": max(p["cpu_s"] for p in parts) / seconds,
             "request_bytes_per_turn": sent / n if n else None, "answer_bytes_per_turn": received / n if n else None,
             "status_counts": statuses, **_percentiles(latencies)}
 
@@ -273,9 +297,13 @@ def main() -> None:
             start_at = time.time() + 0.5
             for _, conn in workers:
                 conn.send((mode, target, url, start_at, duration_s, answer_bytes))
+            cpu_before = process_cpu_s(proc.pid)
             parts = [conn.recv() for _, conn in workers]
             seconds = max(duration_s, time.time() - start_at)
+            server_cpu_s = process_cpu_s(proc.pid) - cpu_before  # from the clients' start (0.5 s idle before)
             result = summarize(parts, seconds)
+            result.update(server_cores_busy=server_cpu_s / seconds,
+                          server_cpu_ms_per_request=1e3 * server_cpu_s / max(1, result["requests"]))
             after = server_counters(url)
             launches = after.get("flash_qla_launches_total", 0) - before.get("flash_qla_launches_total", 0)
             if target == "service" and launches:
@@ -299,6 +327,20 @@ def main() -> None:
             for mode in MODES:
                 for target in ("echo", "service"):
                     rounds[mode][target].append(phase(mode, target, args.duration_s))
+        profiles = {}
+        if args.profile_dir is not None:  # after the timed rounds: sampling slows the server a little
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            for mode in MODES:
+                out = args.profile_dir / f"service_{mode}_gil.txt"
+                try:
+                    spy = py_spy_gil(proc.pid, args.profile_s, out)
+                except OSError as error:  # no py-spy: the timed results stand without profiles
+                    profiles[mode] = {"error": f"py-spy did not start: {error}"}
+                    continue
+                profiled = phase(mode, "service", args.profile_s)
+                _, err = spy.communicate(timeout=args.profile_s + 60)
+                profiles[mode] = {"file": out.name, "requests": profiled["requests"], "seconds": profiled["seconds"],
+                                  "py_spy_exit": spy.returncode, "py_spy_stderr": err[-400:]}
     finally:
         for p, conn in workers:
             try:
@@ -343,6 +385,8 @@ def main() -> None:
         "modes": modes,
         "service_over_echo": {mode: modes[mode]["service_over_echo_tokens_per_s"] for mode in MODES},
     }
+    if profiles:
+        result["gil_profiles"] = profiles
     text = json.dumps(result, indent=2, default=str)
     print(text)
     if args.out is not None:

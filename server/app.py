@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import CancelledError as FutureCancelled
+import os
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -24,18 +23,17 @@ import flash_qla
 from .auth import bearer_token_dependency
 from .batcher import DynamicBatcher
 from .body_limit import BodyLimitMiddleware
-from .codec import JSON, SAFETENSORS, decode_request, encode_result, media_type
+from .codec import JSON, SAFETENSORS, decode_request, encode_json, encode_safetensors, media_type
 from .config import ServiceConfig
 from .engine import PrefillEngine
 from .errors import InputError, LimitExceeded, NotReady, RequestTimedOut, ServiceError, install_error_handlers
 from .limits import check_head_dims, check_memory
 from .metrics import PrefillStatusMiddleware, ServiceMetrics
-from .prefill import PrefillRequest
+from .prefill import PrefillRequest, PrefillResult
 from .readiness import STARTING, ReadyState, probe
 from .schemas import ErrorResponse, HealthResponse, PrefillJSONRequest, PrefillJSONResponse, ReadyResponse
 from .session_routes import session_router
 from .sessions import SessionStore
-from .staging import DeviceStaging
 
 log = logging.getLogger("server")
 PREFILL_PATH = "/v1/prefill"
@@ -77,18 +75,17 @@ class ServiceState:
         self.store = SessionStore(device, config.max_state_bytes, config.state_dir, config.session_ttl_s,
                                   config.max_sessions)
         self.engine = PrefillEngine(config.backend, self.store)
-        self.staging = DeviceStaging(device, config.max_request_bytes)
         # The readiness probe's thread; launches run on the batcher's own thread (never on the event loop, and
         # never two at once).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-qla-probe")
-        # A /v1/prefill request's thread, from its body to its answer (it waits for the launch there): as many as
-        # may wait in the queue, and some to decode and encode meanwhile (threads start as they are needed).
-        self.request_threads = ThreadPoolExecutor(max_workers=config.max_queue + 32,
+        # Decoding and checking a /v1/prefill body (and encoding a JSON answer): a few threads, which never wait
+        # for a launch; every thread that wants Python's GIL delays the event loop, which moves the bodies.
+        self.request_threads = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 1)),
                                                   thread_name_prefix="flash-qla-request")
-        self.batcher = DynamicBatcher(self.engine.run, self.metrics,
+        self.batcher = DynamicBatcher(self.launch, self.metrics,
                                       max_batch_tokens=config.max_batch_tokens,
                                       max_wait_s=config.batch_wait_ms / 1000.0, max_queue=config.max_queue,
-                                      max_batch_bytes=config.max_request_bytes)
+                                      max_batch_bytes=config.max_request_bytes, done=self.release)
         self.ready: ReadyState = STARTING
         self._kernel_head_dims = None
 
@@ -100,6 +97,22 @@ class ServiceState:
             from flash_qla import kernel_api
             self._kernel_head_dims = kernel_api.supported_head_dims()
         return self._kernel_head_dims
+
+    def launch(self, requests: List[PrefillRequest]) -> List[Union[PrefillResult, bytes, BaseException]]:
+        """One merged launch (on the batcher's thread) and, there too, each safetensors answer's body: the outputs
+        are copied once, into bytes that the event loop sends as they are (the loop moves every body of the
+        process; the launch thread waits for the device most of the time). JSON answers are encoded on a request
+        thread."""
+        results = self.engine.run(requests)
+        return [b"".join(encode_safetensors(result)) if request.encoding == SAFETENSORS
+                and isinstance(result, PrefillResult) else result for request, result in zip(requests, results)]
+
+    def release(self, requests: List[PrefillRequest]) -> None:
+        """The batcher let go of ``requests`` (after their launch, or without one): their sessions may expire
+        again."""
+        session_ids = [sid for r in requests if r.session_ids for sid in r.session_ids]
+        if session_ids:
+            self.store.finish(session_ids)
 
     async def check_readiness(self) -> None:
         self.ready = await asyncio.get_running_loop().run_in_executor(self.executor, probe, self.config.backend)
@@ -172,39 +185,33 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
                            headers={"Retry-After": "1"} if verdict is STARTING else None)
         encoding = media_type(request.headers.get("content-type"))
         body = await request.body()  # BodyLimitMiddleware makes an oversized body a 413 here
-        # One hop off the event loop for the whole request (each hop back costs the request a turn of a loop that
-        # is busy moving other bodies): the request thread decodes, admits, queues, waits, encodes.
-        payload = await asyncio.get_running_loop().run_in_executor(state.request_threads, serve, body, encoding)
-        return Response(payload, media_type=encoding)
+        loop = asyncio.get_running_loop()
+        # Off the event loop only for the work that needs a thread: decoding and checking the body. The loop
+        # queues the request and waits; a launch answers all its requests in one callback on the loop.
+        prefill_request = await loop.run_in_executor(state.request_threads, admit, body, encoding)
+        try:
+            result = await state.batcher.submit(prefill_request, timeout=config.request_timeout_s)
+        except Exception as error:  # noqa: BLE001 - mapped to the client's answer
+            mapped = _launch_error(error)
+            if mapped is error:
+                raise
+            raise mapped from error
+        if encoding == SAFETENSORS:  # encoded by the launch thread
+            return Response(result, media_type=SAFETENSORS)
+        return Response(await loop.run_in_executor(state.request_threads, encode_json, result), media_type=JSON)
 
-    def serve(body: bytes, encoding: str) -> bytes:
+    def admit(body: bytes, encoding: str) -> PrefillRequest:
         """On a request thread: decode and check the request before it may queue (sizes, head dims, the memory
-        estimate, its sessions), stage its inputs on the launch device (server.staging), queue it, wait for its
-        slice of a launch, encode the answer."""
+        estimate, its sessions). Its sessions stay pending (they cannot expire) until the batcher releases it."""
         prefill_request = _decode(body, encoding)
         _check_size_limits(prefill_request, config)
         check_head_dims(prefill_request, config.backend, state.kernel_head_dims())
         prefill_request.memory_bytes = check_memory(prefill_request, config.backend, encoding,
                                                     config.max_request_bytes).total
-        sessions = prefill_request.session_ids
-        if sessions:
-            state.store.admit(sessions, prefill_request.session_config)
-        try:
-            state.staging.stage(prefill_request)
-            launched = state.batcher.enqueue(prefill_request)
-            try:
-                result = launched.result(timeout=config.request_timeout_s)
-            except BaseException as error:
-                launched.cancel()  # withdrawn unless its launch has begun
-                mapped = _launch_error(error)
-                if mapped is error:
-                    raise
-                raise mapped from error
-            return encode_result(result, encoding)
-        finally:
-            state.staging.release(prefill_request)
-            if sessions:
-                state.store.finish(sessions)
+        prefill_request.encoding = encoding
+        if prefill_request.session_ids:
+            state.store.admit(prefill_request.session_ids, prefill_request.session_config)
+        return prefill_request
 
     if config.echo_endpoint:
         zeros = {"buffer": b""}  # grown, never resized in place: answers in flight hold views of it
@@ -241,11 +248,9 @@ def _decode(body: bytes, encoding: str) -> PrefillRequest:
 
 def _launch_error(error: BaseException) -> BaseException:
     """What a failed wait for the launch becomes for the client."""
-    if isinstance(error, FutureTimeout):
+    if isinstance(error, TimeoutError):
         return RequestTimedOut("no answer within the request timeout (--request-timeout-s); with session_ids the "
                                "turn may have been applied: the session's tokens tell")
-    if isinstance(error, FutureCancelled):  # the batcher stopped before the request's launch
-        return NotReady("the service is shutting down", reason="shutting_down")
     if isinstance(error, ServiceError) or not isinstance(error, Exception):
         return error
     if isinstance(error, (ValueError, TypeError)):  # the library rejected the launch: the request's fault

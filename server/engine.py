@@ -49,7 +49,8 @@ class PrefillEngine:
 
     def _launch(self, requests: List[PrefillRequest], leases: List[Optional[Lease]]) -> List[PrefillResult]:
         """A fixed number of torch calls per launch, whatever its number of requests (see server.merge): one
-        gather of every session row, one concatenation per input, the kernels, one scatter, one copy per output."""
+        gather of every session row, one concatenation and (GPU) one host-to-device copy per input, the kernels,
+        one scatter, one copy per output."""
         dev = self.device
         held = [lease for lease in leases if lease is not None]
         rows = stored = None

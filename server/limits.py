@@ -50,7 +50,7 @@ def estimate_memory(request: PrefillRequest, backend: str, encoding: str) -> Mem
     host = sum(t.nbytes for t in (request.q, request.k, request.v, request.g, request.beta, request.cu_seqlens))
     if request.initial_state is not None:
         host += request.initial_state.nbytes
-    copies = 3 if backend == "kernels" else 2           # decoded, staged on the device, merged
+    copies = 3 if backend == "kernels" else 2           # decoded, merged (page-locked for a GPU), on the device
     state_bytes = N * Hv * K * V * state_elt
     states = state_bytes * (3 if request.output_final_state else 2)   # initial and final (and a host copy)
     o_bytes = T * Hv * V * elt

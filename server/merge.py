@@ -1,8 +1,10 @@
 """Many requests with one batch key -> one packed varlen launch, and its outputs -> each caller's slices.
 
 Built for a launch thread that competes for the GIL with the event loop and the request threads: every torch call
-releases and re-takes the GIL, so the merge makes a fixed number of them per launch (one concatenation per
-tensor), not one per request and tensor.
+releases and re-takes the GIL, so the merge makes a fixed number of them per launch, not one per request and
+tensor. For a GPU, each input's pieces are concatenated into page-locked host memory (torch's caching host
+allocator, reused between launches) and copied to the device once, asynchronously: a copy from pageable memory
+would wait for the device's stream and stage through the driver's own buffer.
 """
 from __future__ import annotations
 
@@ -43,14 +45,24 @@ def _offsets(sizes: List[int]) -> List[int]:
     return out
 
 
-def _on(device: torch.device, x: torch.Tensor) -> torch.Tensor:
-    """``x`` on ``device``: staged inputs are there already; a host tensor is copied (from pageable memory the
-    copy returns once the source is read, so the source may be freed right after)."""
-    return x if x.device == device else x.to(device, non_blocking=True)
-
-
 def _concat(pieces: List[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _packed(pieces: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``pieces`` (along dim 0) on ``device``. Host pieces bound for a GPU are concatenated into page-locked memory
+    and copied in one asynchronous transfer (the caching host allocator keeps the buffer until the copy is done);
+    pieces on the device already are concatenated there."""
+    if all(p.device == device for p in pieces):
+        return _concat(pieces)
+    if any(p.device.type != "cpu" for p in pieces):  # mixed: stored states on the device beside uploaded ones
+        return _concat([p.to(device, non_blocking=True) for p in pieces])
+    if device.type != "cuda":
+        return _concat(pieces).to(device)
+    first = pieces[0]
+    host = torch.empty((sum(p.shape[0] for p in pieces), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    torch.cat(pieces, out=host)
+    return host.to(device, non_blocking=True)
 
 
 def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device] = None,
@@ -59,8 +71,8 @@ def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device
     states: a session request's rows of ``stored_states`` (the stored states of every session request's
     sequences, in request order), an uploaded state, or zeros (what the API assumes for a request without one).
 
-    The packed tensors are built on ``device`` (default: the host) by one concatenation each; pieces already there
-    (staged at admission) are not copied again."""
+    The packed tensors are built on ``device`` (default: the host): one concatenation each, and for a GPU one copy
+    each."""
     device = torch.device(device or "cpu")
     if not requests or len({r.key for r in requests}) != 1:
         raise ValueError("merge_requests needs one or more requests with the same batch key")
@@ -70,7 +82,7 @@ def merge_requests(requests: List[PrefillRequest], device: Optional[torch.device
     cu = [0]
     for r, t0 in zip(requests, token_offsets):
         cu.extend(t0 + end for end in r.offsets[1:])
-    packed = [_concat([_on(device, getattr(r, name)) for r in requests])[None] for name in _PACKED]
+    packed = [_packed([getattr(r, name) for r in requests], device)[None] for name in _PACKED]
     return MergedBatch(*packed, torch.tensor(cu, dtype=torch.int64),
                        _initial_states(requests, device, stored_states), first.scale, first.use_qk_l2norm_in_kernel,
                        any(r.output_final_state for r in requests), token_offsets, seq_offsets)
@@ -88,16 +100,18 @@ def _initial_states(requests: List[PrefillRequest], device: torch.device,
     first = requests[0]
     shape = (first.key.num_v_heads, first.key.head_dim_k, first.key.head_dim_v)
     dtype = state_dtype(first.q.dtype)
+    # zeros where the stored states live (the device), or on the host beside uploaded states that go there in one copy
+    zeros_on = device if any(sessions) else torch.device("cpu")
     pieces, row = [], 0
     for r, is_session in zip(requests, sessions):
         if is_session:
             pieces.append(stored_states[row:row + r.num_seqs])
             row += r.num_seqs
         elif r.initial_state is not None:
-            pieces.append(_on(device, r.initial_state))
+            pieces.append(r.initial_state)
         else:
-            pieces.append(torch.zeros(r.num_seqs, *shape, dtype=dtype, device=device))
-    return _concat(pieces)
+            pieces.append(torch.zeros(r.num_seqs, *shape, dtype=dtype, device=zeros_on))
+    return _packed(pieces, device)
 
 
 def session_rows(batch: MergedBatch, requests: List[PrefillRequest], states: torch.Tensor) -> torch.Tensor:

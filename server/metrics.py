@@ -20,7 +20,7 @@ class ServiceMetrics:
         self.queue_seconds = Histogram("flash_qla_queue_seconds", "Time a request waited for its launch",
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.kernel_seconds = Histogram("flash_qla_kernel_seconds", "Time of one merged launch on the worker "
-                                        "thread (host<->device copies included)", buckets=_LATENCY_BUCKETS,
+                                        "thread (host<->device copies and the safetensors answers included)", buckets=_LATENCY_BUCKETS,
                                         registry=r)
         self.batch_tokens = Histogram("flash_qla_batch_tokens", "Tokens in one merged launch",
                                       buckets=_TOKEN_BUCKETS, registry=r)

@@ -47,7 +47,7 @@ class PrefillRequest:
     session_ids: Optional[List[str]] = None  # one per sequence: continue from / store into these sessions
     memory_bytes: int = 0                    # the admission's memory estimate (the batcher's launch budget)
     offsets: Optional[List[int]] = None      # cu_seqlens' values (read once on the host, at admission)
-    staged_bytes: int = 0                    # device bytes its inputs were staged in (server.staging)
+    encoding: Optional[str] = None           # the answer's media type, when the launch thread encodes it
 
     def __post_init__(self):
         if self.offsets is None:

@@ -28,7 +28,7 @@ from server.background import BackgroundServer
 from server.batcher import DynamicBatcher
 from server.codec import decode_safetensors_response, encode_safetensors_request
 from server.config import ServiceConfig
-from server.errors import field_named_in
+from server.errors import NotReady, QueueFull, field_named_in
 from server.merge import merge_requests, split_outputs
 from server.metrics import ServiceMetrics
 from server.prefill import PrefillResult, prepare_request
@@ -453,6 +453,95 @@ def test_batcher_merges_by_key_within_the_token_budget_and_shares_errors():
     assert [r.o[0].item() for r in results[:5]] == [4, 5, 6, 7, 3]
     assert all(isinstance(r, ValueError) for r in results[5:])
     assert sorted(map(sorted, launched)) == sorted([[4, 5, 6], [7], [3], [2, 2]])
+
+
+def test_batcher_releases_every_request_once_and_withdraws_what_timed_out():
+    """Each submitted request reaches ``done`` exactly once: after its launch, or when it leaves without one
+    (timed out while waiting, refused by a full queue, dropped at stop). A timed-out request never launches."""
+    released, launched = [], []
+    gate = threading.Event()
+
+    def launch(requests):
+        gate.wait(10)
+        launched.extend(requests)
+        return [PrefillResult(r.q, None) for r in requests]
+
+    async def scenario():
+        batcher = DynamicBatcher(launch, ServiceMetrics(), max_batch_tokens=1000, max_wait_s=0.0, max_queue=2,
+                                 done=released.extend)
+        batcher.start()
+        try:
+            first = _prepared([2], 1)[1]
+            running = asyncio.ensure_future(batcher.submit(first))  # launches at once, held by the gate
+            assert await asyncio.to_thread(wait_until, lambda: batcher.queue_depth == 0 and released == [] and
+                                           batcher.launches == 1, 5)
+            late = _prepared([3], 2)[1]
+            with pytest.raises(TimeoutError):
+                await batcher.submit(late, timeout=0.05)           # waits behind the held launch, then gives up
+            assert released == [late] and batcher.queue_depth == 0
+            waiting = [asyncio.ensure_future(batcher.submit(_prepared([4], 3 + i)[1])) for i in range(2)]
+            await asyncio.sleep(0.05)
+            refused = _prepared([5], 9)[1]
+            with pytest.raises(QueueFull):
+                await batcher.submit(refused)
+            assert released == [late, refused]
+            gate.set()
+            assert (await running).o is first.q
+            await asyncio.gather(*waiting)
+        finally:
+            gate.set()
+            await batcher.stop()
+        return waiting
+
+    waiting = asyncio.run(scenario())
+    assert [r.num_tokens for r in launched] == [2, 4, 4]  # the timed-out request never ran
+    assert len(released) == 5 and len({id(r) for r in released}) == 5
+    assert all(w.done() for w in waiting)
+
+
+def test_batcher_stop_answers_waiting_requests_shutting_down():
+    released = []
+
+    async def scenario():
+        batcher = DynamicBatcher(lambda rs: [PrefillResult(r.q, None) for r in rs], ServiceMetrics(),
+                                 max_batch_tokens=1000, max_wait_s=30.0, max_queue=10, done=released.extend)
+        batcher.start()
+        request = _prepared([2], 1)[1]
+        waiting = asyncio.ensure_future(batcher.submit(request))
+        await asyncio.sleep(0.05)
+        await batcher.stop()
+        with pytest.raises(NotReady, match="shutting down"):
+            await waiting
+        return request
+
+    request = asyncio.run(scenario())
+    assert released == [request]
+
+
+def test_safetensors_buffers_are_a_file_safetensors_reads():
+    """Answers are sent as a header and the tensors' own bytes; joined, they are a safetensors file that the
+    library reads back exactly (every dtype an answer has, an empty tensor, metadata or none)."""
+    from safetensors.torch import load
+
+    from server.codec import safetensors_buffers, safetensors_metadata
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        tensors = {"o": torch.randn(5, 3, 7, generator=gen).to(dtype),
+                   "final_state": torch.randn(2, 3, 4, 4, generator=gen).to(dtype)[:, :, 1:3, :].contiguous(),
+                   "empty": torch.zeros(0, 3, dtype=dtype)}
+        for metadata in (None, {"session_tokens": "[5, 0]"}):
+            buffers = safetensors_buffers(tensors, metadata)
+            header_len = int.from_bytes(buffers[0][:8], "little")
+            assert (8 + header_len) % 8 == 0 and len(buffers[0]) == 8 + header_len
+            body = b"".join(buffers)
+            loaded = load(body)
+            assert loaded.keys() == tensors.keys()
+            assert all(loaded[n].dtype == t.dtype and torch.equal(loaded[n], t) for n, t in tensors.items())
+            assert safetensors_metadata(body) == (metadata or {})
+    sliced = torch.arange(24.0).reshape(6, 4)[2:5]  # a launch's outputs are slices of one buffer
+    assert torch.equal(load(b"".join(safetensors_buffers({"o": sliced})))["o"], sliced)
+    with pytest.raises(ValueError, match="host tensor"):
+        safetensors_buffers({"o": torch.zeros(2, dtype=torch.int32)})
 
 
 # -- the readiness probe's reasons on hosts this CI machine is not ---------------------------------------------------

@@ -389,27 +389,18 @@ def test_a_session_deleted_during_its_launch_keeps_its_row_until_the_launch_lets
     assert store.acquire(third.session_ids).slots == lease.slots  # freed once the launch let go
 
 
-def test_staging_holds_waiting_inputs_within_its_budget():
-    """Inputs move to the launch device at admission while the budget lasts; the rest stay on the host (and the
-    launch copies them); an answered request's bytes leave the budget. (The meta device stands in for a GPU.)"""
+def test_merge_moves_host_inputs_to_the_launch_device_in_one_copy_each():
+    """Decoded inputs stay on the host until their launch, whose merge concatenates each input once and moves it
+    to the launch device (the meta device stands in for a GPU); uploaded and zero states go with them."""
     from server.merge import merge_requests
     from server.prefill import prepare_request
-    from server.staging import DeviceStaging
-    requests = [prepare_request(dict(make_inputs([n], seed=700 + n, with_state=True)), None, False, True)
-                for n in (8, 8, 8)]
-    one = sum(t.nbytes for t in (requests[0].q, requests[0].k, requests[0].v, requests[0].g, requests[0].beta,
-                                 requests[0].initial_state))
-    staging = DeviceStaging(torch.device("meta"), budget_bytes=2 * one)
-    assert [staging.stage(r) for r in requests] == [True, True, False]
-    assert staging.staged_bytes == 2 * one and requests[0].q.is_meta and requests[0].initial_state.is_meta
-    assert requests[2].q.device.type == "cpu"
+    requests = [prepare_request(dict(make_inputs([n], seed=700 + n, with_state=n != 4)), None, False, True)
+                for n in (8, 4, 6)]
+    assert all(r.q.device.type == "cpu" for r in requests)
     batch = merge_requests(requests, torch.device("meta"))
-    assert batch.q.is_meta and batch.q.shape == (1, 24, HQ, K) and batch.initial_state.shape == (3, HV, K, V)
-    staging.release(requests[0])
-    staging.release(requests[0])  # once only
-    assert staging.staged_bytes == one and staging.stage(requests[2])
-    assert not DeviceStaging(torch.device("cpu"), 2**30).stage(
-        prepare_request(dict(make_inputs([4], seed=710)), None, False, True))
+    assert batch.q.is_meta and batch.q.shape == (1, 18, HQ, K) and batch.v.shape == (1, 18, HV, V)
+    assert batch.initial_state.is_meta and batch.initial_state.shape == (3, HV, K, V)
+    assert batch.cu_seqlens.tolist() == [0, 8, 12, 18]
 
 
 @pytest.mark.gpu
