@@ -18,32 +18,35 @@ States, per local sequence (``ctx.cu_seqlens`` order, ``ctx.seq_ids`` names thei
 Algorithm. The recurrence is linear in (entering state, v): over a token range, the leaving state is
 h_out = Z + M h_in (Z: the range run from a zero entering state; M: the product of the per-token transitions
 exp(g_t) (I - beta_t k_t k_t^T), K x K) and the entering state's part of o_t is h_in^T Q_t, where Q_t = scale
-(A_t ... A_1)^T q_t is q_t carried back to the range's start. Both M and Q come from one pass of the public function
-from the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
+(A_t ... A_1)^T q_t is q_t carried back to the range's start. M and Q come from one pass of the public function from
+the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
   * the main pass (the public ``flash_qla.chunk_gated_delta_rule``: the sm_90a kernels on CUDA, the reference on
     CPU) runs the whole shard at once, a sequence continued from the previous rank entering with zero state;
   * beside it (on CUDA a high-priority side stream): the tail window, the last W = ``warmup_tokens`` tokens (all of
-    them where the sequence is shorter on this rank) of a last sequence going on to the next rank, run from zero
-    (or from the user's initial state where the window holds the whole sequence) for (Z, M); the head window, the
-    first W tokens of a first sequence continued from the previous rank, run from the identity for (Q, M);
+    them where the sequence is shorter on this rank) of a last sequence going on to the next rank, run from zero (or
+    from the user's initial state where the window holds the whole sequence) for (Z, M); the head window, the first
+    W tokens of a first sequence continued from the previous rank, run from the identity for (Q, M);
   * one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds its whole shard),
     with a flag saying whether its windows were long enough; the entering state h_in = Z[r - 1] (folded through the
     M of such ranks, h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the
     head window holds the whole first sequence.
 The only serial work after the exchange is that bmm and the add. The windows cut the chain where the transition of a
-window is negligible: dropping M h errs by at most ||M||_F <= e^-10 ~ 4.5e-5 of the state entering the window, below
-bf16 resolution (for the head window this also needs every later factor non-expansive: g <= 0 and
-0 <= beta |k|^2 <= 2). The bound is measured (Frobenius norm of the window's M, per head), not assumed from the gate:
-gated heads meet it within a few hundred tokens, g = 0 heads through the keys' own forgetting; where some window on
-some rank misses it, every rank sees the flag after the all-gather and the call runs its boundaries again exactly
-(windows the whole range, transitions chained), which is also what ``warmup_tokens=0`` does from the start. One host
-read per forward (that flag, on the side stream, while the main pass runs).
+window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5 of the state entering the window, below
+bf16 resolution. A window longer than SHORT_TOKENS is first tried at SHORT_TOKENS per v-head: where the gate sums to
+<= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the gate (the
+heads of real models, whose gates decay; one host read of the side stream decides); the other heads (g = 0 heads,
+slow gates) run the full window and their bound is measured, the Frobenius norm of their window's M (per head). Past
+the head window the cut also relies on the later factors being non-expansive, as GDN's gates and normalised keys make
+them (not read: checking would mean reading the whole shard's k). Where some window on some rank misses the bound,
+every rank sees the flag after the all-gather and the call runs its boundaries again exactly (windows the whole
+range, transitions chained), which is also what ``warmup_tokens=0`` does from the start. Host reads per forward: the
+gate test (where a window is split) and the flag, both of the side stream while the main pass runs.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
 sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient before its local backward. Beside that
-local backward, the head window's pass is differentiated for the correction's share of dq, dk, dg, dbeta (added in
-place into the first tokens' gradients). Nothing in the backward reads the host.
+local backward, the head window's passes are differentiated for the correction's share of dq, dk, dg, dbeta (added
+in place into the first tokens' gradients). Nothing in the backward reads the host.
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
@@ -60,7 +63,9 @@ import torch.distributed as dist
 WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # the head / tail window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
-STATS = collections.Counter()     # linked forward calls, and those that had to run their boundaries exactly
+SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
+STATS = collections.Counter()     # linked forward calls, those that had to run their boundaries exactly, windows split
+                                  # by the gate and the heads that kept the full length there
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,9 @@ def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens:
 
     cu_seqlens_global: [N + 1] int32/int64 offsets of the whole packed batch (any device); every sequence must hold
     at least one token and the total must be a multiple of the group's size. group: a torch.distributed process
-    group (None: the default group). warmup_tokens: the longest warm-up window tried before a boundary uses the exact
-    transition (0: always exact). cu_seqlens_cpu: the same offsets on the host, to skip a device-to-host copy."""
+    group (None: the default group). warmup_tokens: W, the head / tail window's length, beyond which a boundary's
+    chain is cut where the window's transition is below e^-10 (else the call runs its boundaries exactly; 0: always
+    exact). cu_seqlens_cpu: the same offsets on the host, to skip a device-to-host copy."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_cp_context needs torch.distributed initialised (dist.init_process_group)")
     if not isinstance(cu_seqlens_global, torch.Tensor) or cu_seqlens_global.dtype not in (torch.int32, torch.int64):
@@ -204,6 +210,7 @@ class _Call:
     l2norm: bool
     backend: str
     state_dtype: torch.dtype
+    group_size: int           # v-heads per q/k head
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -233,12 +240,14 @@ def _can_widen(call: _Call, v, K: int) -> bool:
     return (K, v.shape[3] + K) in supported_head_dims()
 
 
-def _head_run(call: _Call, x4, H: int, K: int, v_dtype: torch.dtype):
-    """(o [1, w, H, K], final [1, H, K, K]) of the window from the identity with v = 0: o is q carried back to the
-    window's start (the entering state's part of o is o @ h_in), final its transition."""
-    q, k, g, beta = x4
-    v0 = q.new_zeros(1, q.shape[1], H, K, dtype=v_dtype)
-    return call.run(q, k, v0, g, beta, _eye(K, H, call.state_dtype, q.device))
+def _select(call: _Call, idx: Optional[torch.Tensor], x, with_v: bool = True):
+    """(q, k[, v], g, beta) restricted to the v-heads ``idx`` (q / k heads repeated per v-head); None: all heads."""
+    q, k, v, g, beta = x
+    if idx is None:
+        return (q, k, v, g, beta) if with_v else (q, k, g, beta)
+    qk = torch.div(idx, call.group_size, rounding_mode="floor")
+    head = (q.index_select(2, qk), k.index_select(2, qk))
+    return head + ((v.index_select(2, idx),) if with_v else ()) + (g.index_select(2, idx), beta.index_select(2, idx))
 
 
 def _tail_run(call: _Call, x, h0: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -255,20 +264,62 @@ def _tail_run(call: _Call, x, h0: torch.Tensor, K: int) -> Tuple[torch.Tensor, t
     return z[0], m[0]
 
 
+@dataclass
+class _Piece:
+    """One pass over the head window for v-heads ``idx`` (None: all), tokens [0, w), from the identity with v = 0:
+    its o is q carried back to the shard's start (the entering state's part of o is o @ h_in), its final state the
+    transition. The correction it makes covers tokens [skip, w) (a shorter piece covers the tokens before)."""
+    idx: Optional[torch.Tensor]
+    qk_idx: Optional[torch.Tensor]
+    w: int
+    skip: int
+    leaves: tuple                       # its (q, k, g, beta), leaves when built with grad
+    out: tuple                          # (o [1, w, H, K], final [1, H, K, K]) with their graph
+    corr: Optional[torch.Tensor] = None  # [H, w - skip, V]
+
+    @property
+    def q_back(self) -> torch.Tensor:   # [H, w - skip, K]
+        return self.out[0].detach()[0, self.skip:].transpose(0, 1)
+
+    @property
+    def m(self) -> torch.Tensor:        # [H, K, K]
+        return self.out[1].detach()[0]
+
+    def heads(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t if self.idx is None else t.index_select(dim, self.idx)
+
+
+def _head_piece(call: _Call, x, idx, w: int, skip: int, graph: bool) -> _Piece:
+    q, k, v, g, beta = (t[:, :w] for t in x)
+    sel = _select(call, idx, (q, k, None, g, beta), with_v=False)
+    leaves = tuple(t.detach() for t in sel)
+    if graph:
+        leaves = tuple(t.requires_grad_(src.requires_grad) for t, src in zip(leaves, (x[0], x[1], x[3], x[4])))
+    H, K = v.shape[2] if idx is None else idx.numel(), q.shape[3]
+    with torch.set_grad_enabled(graph):
+        lq, lk, lg, lb = leaves
+        out = call.run(lq, lk, lq.new_zeros(1, w, H, K, dtype=v.dtype), lg, lb, _eye(K, H, call.state_dtype, q.device))
+    qk_idx = None if idx is None else torch.div(idx, call.group_size, rounding_mode="floor")
+    return _Piece(idx, qk_idx, w, skip, leaves, out)
+
+
 def _too_large(m: torch.Tensor) -> torch.Tensor:
     """Some head's transition [H, K, K] has Frobenius norm (>= its spectral norm) above the bound (0-d bool)."""
     return (torch.linalg.matrix_norm(m) > TRANSITION_NORM_BOUND).any()
 
 
-def _expansive(call: _Call, k, g, beta) -> torch.Tensor:
-    """Some factor exp(g) (I - beta k k^T) over these tokens may expand a state (0-d bool): g > 0, beta < 0, or the
-    largest beta times the largest |k|^2 above 2 (a sufficient test, one reduction each)."""
-    b_min, b_max = torch.aminmax(beta.float())
-    kk = 1.0 if call.l2norm else torch.linalg.vector_norm(k, dim=-1, dtype=torch.promote_types(k.dtype, torch.float32)).amax() ** 2
-    return (g.amax() > 0) | (b_min < 0) | (b_max * kk > 2.0)
-
-
-_OUT_DTYPE_BMM: dict = {}   # device type -> whether torch.bmm takes out_dtype there (the CUDA builds of torch >= 2.9)
+def _gate_bounded(call: _Call, x, lo: int, hi: int) -> torch.Tensor:
+    """Per v-head (bool [Hv]): over tokens [lo, hi) the gate sums to <= WARMUP_LOG_DECAY with every factor
+    exp(g) (I - beta k k^T) non-expansive (g <= 0, 0 <= beta |k|^2 <= 2), so the window's transition has spectral
+    norm <= e^-10 without being computed."""
+    q, k, v, g, beta = x
+    gw = g[0, lo:hi]
+    bk = beta[0, lo:hi].float()
+    if not call.l2norm:
+        kk = torch.linalg.vector_norm(k[0, lo:hi], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32)) ** 2
+        bk = bk * kk.repeat_interleave(call.group_size, dim=1).to(bk.dtype)
+    b_min, b_max = bk.aminmax(dim=0)
+    return (gw.sum(0) <= WARMUP_LOG_DECAY) & (gw.amax(0) <= 0) & (b_min >= 0) & (b_max <= 2.0)
 
 
 def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -283,6 +334,9 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             _OUT_DTYPE_BMM["cuda"] = False
     dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
     return torch.bmm(a.to(dt), b.to(dt))
+
+
+_OUT_DTYPE_BMM: dict = {}   # device type -> whether torch.bmm takes out_dtype there (the CUDA builds of torch >= 2.9)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,25 +406,11 @@ class _Side:
 @dataclass
 class _Boundary:
     lay: _Layout
-    head_in: tuple                        # the head window's leaves (q, k, g, beta slices)
-    head_out: tuple                       # its (o, final) with their graph when built with grad
+    pieces: List[_Piece]                  # the head window's passes
     h_in: Optional[torch.Tensor]          # [Hv, K, V] the state entering local sequence 0 (None: it starts here)
     ms: Optional[torch.Tensor]            # [world, Hv, K, K] every rank's sent transition (carry_m), or None
-    o_corr: Optional[torch.Tensor]        # [Hv, head, V] the entering state's part of o over the head window
-    s_corr: Optional[torch.Tensor]        # [Hv, K, V] its part of local sequence 0's final state (head_covers)
+    s_corr: Optional[torch.Tensor]        # [Hv, K, V] the entering state's part of local sequence 0's final state
     missed: torch.Tensor                  # 0-d bool: some rank's window missed the bound
-
-    @property
-    def qd(self) -> torch.Tensor:         # [Hv, head, K]
-        return self.head_out[0].detach()[0].transpose(0, 1)
-
-    @property
-    def mc(self) -> torch.Tensor:         # [Hv, K, K]
-        return self.head_out[1].detach()[0]
-
-
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
-_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
@@ -378,6 +418,10 @@ def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
     out = payload.new_empty(ctx.world_size * payload.numel())
     _GATHER_SINGLE(out, payload, group=ctx.group)
     return out.view(ctx.world_size, -1)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
+_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _entering_state(ctx: "CPContext", Cs, Ms) -> torch.Tensor:
@@ -402,37 +446,71 @@ def _leaving_gradient(ctx: "CPContext", Ds, Ms) -> torch.Tensor:
     return d
 
 
+def _long_heads(call: _Call, ctx: "CPContext", lay: _Layout, x):
+    """The v-heads whose tail / head window needs its full length and a measured transition, each as (count, index
+    tensor or None), or None where the window is not split: a window longer than SHORT_TOKENS that does not hold its
+    whole range is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream for both
+    windows; the index tensors are made while the stream is idle)."""
+    split_tail = lay.tail > SHORT_TOKENS and not lay.tail_covers
+    split_head = lay.head > SHORT_TOKENS and not lay.head_covers
+    if not (split_tail or split_head):
+        return None, None
+    P = ctx.part_len
+    tests = ([_gate_bounded(call, x, P - SHORT_TOKENS, P)] if split_tail else []) + (
+        [_gate_bounded(call, x, 0, SHORT_TOKENS)] if split_head else [])
+    bounded = torch.stack(tests).tolist()
+    longs = [[h for h, ok in enumerate(row) if not ok] for row in bounded]
+    STATS["split_windows"] += len(longs)
+    STATS["long_heads"] += sum(map(len, longs))
+    dev = x[0].device
+    longs = [(len(h), torch.tensor(h, dtype=torch.long, device=dev) if 0 < len(h) < len(row) else None)
+             for h, row in zip(longs, bounded)]
+    return (longs.pop(0) if split_tail else None), (longs.pop(0) if split_head else None)
+
+
 def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, graph: bool) -> _Boundary:
-    """The head and tail windows, the exchange and the correction by the entering state (run on the side stream)."""
+    """The tail and head windows, the exchange and the correction by the entering state (run on the side stream)."""
     q, k, v, g, beta = x
     P, Hv, K, V = ctx.part_len, v.shape[2], q.shape[3], v.shape[3]
     sd, dev = call.state_dtype, v.device
-    misses = []
-    head_in, head_out = (), ()
+    misses, pieces = [], []
     with torch.profiler.record_function("cp.forward.boundary"):
-        if lay.head:
-            head_in = tuple(t[:, :lay.head].detach() for t in (q, k, g, beta))
-            if graph:
-                head_in = tuple(h.requires_grad_(t.requires_grad) for h, t in zip(head_in, (q, k, g, beta)))
-            with torch.set_grad_enabled(graph):
-                head_out = _head_run(call, head_in, Hv, K, v.dtype)
-            if not lay.head_covers:
-                n0 = int(ctx.cu_seqlens_cpu[1])
-                misses.append(_too_large(head_out[1].detach()[0]))
-                misses.append(_expansive(call, k[:, lay.head:n0], g[:, lay.head:n0], beta[:, lay.head:n0]))
+        long_tail, long_head = _long_heads(call, ctx, lay, x)
         C = M = None
         if lay.tail:
-            xs = tuple(t[:, P - lay.tail:].detach() for t in x)
-            if lay.tail_own and lay.tail_covers and initial_state is not None:
-                h0 = initial_state[-1:].detach().to(sd)
+            if long_tail is not None and long_tail[0] < Hv:     # the gate bounds the short window for some heads
+                xs = tuple(t[:, P - SHORT_TOKENS:] for t in x)
+                with torch.no_grad():
+                    C = call.run(*xs, torch.zeros(1, Hv, K, V, dtype=sd, device=dev))[1][0]
+                n, idx = long_tail
+                if n:
+                    xs = _select(call, idx, tuple(t[:, P - lay.tail:] for t in x))
+                    with torch.no_grad():
+                        z, m = _tail_run(call, xs, torch.zeros(1, n, K, V, dtype=sd, device=dev), K)
+                    C = C.index_copy(0, idx, z.to(C.dtype))
+                    misses.append(_too_large(m))
             else:
-                h0 = torch.zeros(1, Hv, K, V, dtype=sd, device=dev)
-            with torch.no_grad():
-                C, Mb = _tail_run(call, xs, h0, K)
-            if not lay.tail_covers:
-                misses.append(_too_large(Mb))
-            if lay.carry_m and lay.transit and lay.tail_covers:
-                M = Mb
+                xs = tuple(t[:, P - lay.tail:].detach() for t in x)
+                if lay.tail_own and lay.tail_covers and initial_state is not None:
+                    h0 = initial_state[-1:].detach().to(sd)
+                else:
+                    h0 = torch.zeros(1, Hv, K, V, dtype=sd, device=dev)
+                with torch.no_grad():
+                    C, m = _tail_run(call, xs, h0, K)
+                if not lay.tail_covers:
+                    misses.append(_too_large(m))
+                if lay.carry_m and lay.transit and lay.tail_covers:
+                    M = m
+        if lay.head:
+            if long_head is not None and long_head[0] < Hv:
+                pieces.append(_head_piece(call, x, None, SHORT_TOKENS, 0, graph))
+                if long_head[0]:
+                    pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS, graph))
+                    misses.append(_too_large(pieces[-1].m))
+            else:
+                pieces.append(_head_piece(call, x, None, lay.head, 0, graph))
+                if not lay.head_covers:
+                    misses.append(_too_large(pieces[-1].m))
         miss = torch.stack(misses).any() if misses else torch.zeros((), dtype=torch.bool, device=dev)
         parts = [(C if C is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
         if lay.carry_m:
@@ -444,15 +522,16 @@ def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, g
     with torch.profiler.record_function("cp.forward.correction"):
         n_c, n_m = Hv * K * V, Hv * K * K
         Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
-        h_in = o_corr = s_corr = None
+        h_in = s_corr = None
         if ctx.pre_num_ranks > 0:
             h_in = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V), Ms)
-            qd = head_out[0].detach()[0].transpose(0, 1)
-            o_corr = torch.bmm(qd, h_in.to(qd.dtype))
+            for p in pieces:
+                qb = p.q_back
+                p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
-                s_corr = torch.bmm(head_out[1].detach()[0].to(sd), h_in)
+                s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
         missed = rows[:, -1].amax() > 0
-    return _Boundary(lay, head_in, head_out, h_in, Ms, o_corr, s_corr, missed)
+    return _Boundary(lay, pieces, h_in, Ms, s_corr, missed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,23 +565,28 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     side = _Side(q.device)
     with torch.profiler.record_function("cp.forward.local"), torch.set_grad_enabled(graph):
         o_m, ht_m = _run_local(call, ctx, *main_in, final)
-    # beside it: the windows, the exchange and the correction; one host read (the flags) waits for this stream alone
+    # beside it: the windows, the exchange and the correction; the host reads wait for this stream alone
     STATS["calls"] += 1
     with side:
         side.keep(q, k, v, g, beta, initial_state)
-        # checked before any collective, so a refused call leaves no rank waiting (a read of this stream alone,
-        # made only where an initial state is given)
+        # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         b = _boundaries(call, ctx, _layout(ctx, False), x, initial_state, graph)
         if bool(b.missed):                          # every rank saw the same flags: all run the boundaries exactly
             STATS["exact_fallback"] += 1
             b = _boundaries(call, ctx, _layout(ctx, True), x, initial_state, graph)
-        side.hand(b.o_corr, b.s_corr, b.h_in, b.ms, *b.head_out)
+        side.hand(b.s_corr, b.h_in, b.ms, *(t for p in b.pieces for t in (p.corr,) + tuple(p.out)))
     side.join()
     o = o_m.detach()
-    if b.o_corr is not None:
-        o[0, :b.lay.head].add_(b.o_corr.transpose(0, 1))
+    for p in b.pieces:
+        if p.corr is not None:
+            dst = o[0, p.skip:p.w]
+            if p.idx is None:
+                dst.add_(p.corr.transpose(0, 1))
+            else:
+                dst.index_add_(1, p.idx, p.corr.transpose(0, 1))
+            p.corr = None
     ht = None
     if want_final:
         ht = ht_m.detach()
@@ -523,11 +607,17 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
     side = _Side(dev)
     # the gradient of the state entering this rank (its head window's), exchanged at once
     with torch.profiler.record_function("cp.backward.exchange"):
-        D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
-        if lay.head and do is not None:
-            D = _bmm_f32(b.qd.transpose(1, 2), do[0, :lay.head].transpose(0, 1)).to(sd)
+        D = None
+        for p in (b.pieces if do is not None else ()):
+            d = _bmm_f32(p.q_back.transpose(1, 2), p.heads(do[0, p.skip:p.w], 1).transpose(0, 1)).to(sd)
+            if p.idx is None:
+                D = d if D is None else D + d
+            else:
+                D = (D if D is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).index_add(0, p.idx, d)
+        if D is None:
+            D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
         if lay.head_covers and dht is not None:
-            D = D + b.mc.transpose(-1, -2).to(sd) @ dht[0].to(sd)
+            D = D + b.pieces[0].m.transpose(-1, -2).to(sd) @ dht[0].to(sd)
         rows = _all_gather(ctx, D.reshape(-1))
         dht_all = dht
         if ctx.post_num_ranks > 0:
@@ -547,32 +637,45 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
         for i, gr in zip(wanted, got):
             grads[i] = gr
     # beside it: the head window's share (the correction o += Q h_in, and final += M h_in where it holds sequence 0)
-    head_wanted = [i for i, t in enumerate(b.head_in) if t.requires_grad]
-    if lay.head and head_wanted and (do is not None or (lay.head_covers and dht_all is not None)):
+    adds = []
+    covers_seed = lay.head_covers and dht_all is not None
+    if b.pieces and (do is not None or covers_seed):
         with side, torch.profiler.record_function("cp.backward.correction"):
             side.wait(ready)
             if do is not None:
                 side.keep(do)
-            outs, seeds = [], []
-            h_t = b.h_in.transpose(-1, -2)
-            if do is not None:
-                dq_back = torch.bmm(do[0, :lay.head].transpose(0, 1), h_t.to(do.dtype))    # [Hv, head, K]
-                outs.append(b.head_out[0])
-                seeds.append(dq_back.transpose(0, 1)[None].to(b.head_out[0].dtype))
-            if lay.head_covers and dht_all is not None:
-                outs.append(b.head_out[1])
-                seeds.append((dht_all[0].to(sd) @ h_t)[None].to(b.head_out[1].dtype))
-            hgot = torch.autograd.grad(outs, [b.head_in[i] for i in head_wanted], seeds, allow_unused=True)
-            side.hand(*hgot)
+            for p in b.pieces:
+                want = [i for i, t in enumerate(p.leaves) if t.requires_grad]
+                if not want:
+                    continue
+                outs, seeds = [], []
+                h_t = p.heads(b.h_in, 0).transpose(-1, -2)
+                if do is not None:
+                    dq_back = torch.bmm(p.heads(do[0, :p.w], 1).transpose(0, 1), h_t.to(do.dtype))   # [H, w, K]
+                    if p.skip:
+                        dq_back[:, :p.skip] = 0           # those tokens' correction is the shorter piece's
+                    outs.append(p.out[0])
+                    seeds.append(dq_back.transpose(0, 1)[None].to(p.out[0].dtype))
+                if covers_seed:
+                    outs.append(p.out[1])
+                    seeds.append((dht_all[0].to(sd) @ h_t)[None].to(p.out[1].dtype))
+                hgot = torch.autograd.grad(outs, [p.leaves[i] for i in want], seeds, allow_unused=True)
+                side.hand(*hgot)
+                adds.append((p, want, hgot))
         side.join()
-        slot = {0: 0, 1: 1, 2: 3, 3: 4}                 # head leaves (q, k, g, beta) -> input index
-        for i, hg in zip(head_wanted, hgot):
+    slot = (0, 1, 3, 4)                                  # a piece's leaves (q, k, g, beta) -> input index
+    for p, want, hgot in adds:
+        for i, hg in zip(want, hgot):
+            j = slot[i]
             if hg is None:
                 continue
-            j = slot[i]
             if grads[j] is None:
                 grads[j] = torch.zeros_like(s.main_in[j])
-            grads[j][:, :lay.head] += hg.to(grads[j].dtype)
+            dst, idx = grads[j][:, :p.w], (p.qk_idx if i < 2 else p.idx)
+            if idx is None:
+                dst += hg.to(dst.dtype)
+            else:
+                dst.index_add_(2, idx, hg.to(dst.dtype))
     if grads[5] is not None and ctx.pre_num_ranks > 0:
         grads[5][0] = 0                                  # row 0 is not read: its state comes from the previous rank
     return tuple(grads)
@@ -634,7 +737,8 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check_context(ctx, q, v, initial_state)
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, state_dtype)
+    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, state_dtype,
+                 problem.num_v_heads // problem.num_qk_heads)
     if not (ctx.world_size > 1 and ctx.has_links):
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))

@@ -67,16 +67,20 @@ CASES = [
     # from the exact entering state (the 8.0-decay head's correction alone would have been enough)
     ("window_too_short", 2, 64, [0, 128], 1, 2, 16, 8, [0.0, 8.0], 16, False, 2e-4),
     ("boundaries_between_sequences", 4, 64, [0, 64, 128, 200, 256], 2, 2, 8, 8, [0.0, 2.0], 8192, False, 1e-9),
-    # windows shorter than the shards with every head decaying: the chain is cut at every rank (ranks 1 and 2 lie
-    # inside sequence 1 and send no transition), rank 3's head window holds sequence 1's last 12 tokens; with 64 tokens
-    # rank 0's tail window holds sequence 1's first 56 from its initial state
-    ("transit_windows_32", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 32, False, 1e-7),
-    ("transit_windows_64", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 64, True, 1e-7),
+    # windows shorter than the shards: the chain is cut at every rank (ranks 1 and 2 lie inside sequence 1 and send
+    # no transition), rank 3's head window holds sequence 1's last 12 tokens. 16 tokens (SHORT_TOKENS in these tests):
+    # every head decays past e^-10 within them, measured, and the cut errs by far less than that (1e-9)
+    ("transit_windows_16", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 2.0, 8.0], 16, False, 1e-9),
+    # 32 tokens: the heads whose gate sums to <= -10 within the first / last 16 use those (the 0.5-decay head's gate
+    # may not, and it runs all 32 with its transition): errors up to the e^-10 bound; with 64 tokens rank 0's tail
+    # window holds sequence 1's first 56 tokens from its initial state
+    ("transit_windows_32", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 32, False, 2e-4),
+    ("transit_windows_64", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 64, True, 2e-4),
 ]
 # whether a case's windows miss the bound somewhere, so that every rank runs its boundaries exactly (None: windows
 # that hold whole ranges, nothing to miss)
-FALLS_BACK = {"window_too_short": True, "one_sequence_probe": False, "transit_windows_32": False,
-              "transit_windows_64": False}
+FALLS_BACK = {"window_too_short": True, "one_sequence_probe": False, "transit_windows_16": False,
+              "transit_windows_32": False, "transit_windows_64": False}
 
 
 def _check_case(rank, world, case):
@@ -87,6 +91,12 @@ def _check_case(rank, world, case):
     assert calls == 2, (case[0], rank, calls)                  # the call and the routed call
     if FALLS_BACK.get(case[0]) is not None:
         assert fallbacks == (calls if FALLS_BACK[case[0]] else 0), (case[0], rank, fallbacks)
+    split = cpd.STATS["split_windows"] - before.get("split_windows", 0)
+    longs = cpd.STATS["long_heads"] - before.get("long_heads", 0)
+    if case[0] == "transit_windows_16":                        # windows no longer than the short one: never split
+        assert split == 0, (case[0], rank, split)
+    if case[0] == "transit_windows_32" and rank == 2:          # both windows split, the 0.5-decay head kept 32
+        assert split == 2 * calls and 0 < longs < split * case[5], (case[0], rank, split, longs)
 
 
 def _run_case(rank, world, case):
@@ -141,6 +151,7 @@ def _run_case(rank, world, case):
 def _worker(rank, world, init_file, names):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    cpd.SHORT_TOKENS = 16  # the test's windows are short: split their heads by the gate too
 
     try:
         for case in CASES:
@@ -192,4 +203,5 @@ def test_two_ranks_against_fp64_loop(tmp_path):
 
 def test_four_ranks_against_fp64_loop(tmp_path):
     _spawn(4, {"spanning_four_default", "spanning_four_exact", "one_sequence_probe",
-               "boundaries_between_sequences", "transit_windows_32", "transit_windows_64"}, tmp_path)
+               "boundaries_between_sequences", "transit_windows_16", "transit_windows_32", "transit_windows_64"},
+           tmp_path)
