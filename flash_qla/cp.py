@@ -45,53 +45,39 @@ FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does 
 COMBINE_COST = 1.5    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
                       # 16 steps 0.059 ms, ~3.7 us a step against a ~2.5 us forward chunk)
 LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan and four more launches (~0.05 ms)
-# An eager call's host work, which a CUDA graph replay does not pay: the plain path's (PLAIN_HOST_COST, ~0.11 ms of
-# a forward on the H200 host) and CP's on top of it (EAGER_HOST_COST, ~0.3 ms more). The host issues a call's launches
-# while the device runs the earlier ones, so an eager call takes about the longer of the two, not their sum: the plan
-# compares max(device time, host time) for each path. (Summed, CP lost the eager plans where its device-time gain was
-# below its host work even though the device time hides that work: 2B-TP1 28672+4096 and 16384+16384 ran the plain
-# path eagerly, the first at 1.05 ms against the CP graph's 0.48, H200.) H200, standard matrix:
-# TP8 1x8192 with CP graph 0.180 ms, eager 0.428 (host-bound) vs plain eager 0.344, so the plain path stays there.
-EAGER_HOST_COST = 120.0
-PLAIN_HOST_COST = 44.0
 # The backward's segments run two chain kernels, gdn_bwd_recompute's save build and gdn_bwd_dh, two pre-passes (the recompute's
 # warm-ups / transitions and the dh chain's reverse ones) and two serial combines. The save build's CTAs (78 KB)
 # pair up on an SM, the dh chain's do not: paired_share of the chain time counts waves of two CTAs per SM. Fitted on
 # the H200 with the save chain beside the dh chain (a sweep of 21 shapes, hv 8-64, 8k-128k tokens, one to eight
 # sequences): the chosen L is within 0.7% of the best swept one on each. Counting one pre-pass (a fit with the chains
 # in order) kept CP on hv32 single sequences, 7-13% slower than without. CP is taken whenever predicted faster.
-BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4, "pre_passes": 2, "host_scale": 2.5}
+BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4, "pre_passes": 2}
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
-                        num_sms: int, blocks, capturing: bool = True, chain_costs=None,
-                        combines: int = 1, paired_share: float = 0.0, pre_passes: int = 1,
-                        host_scale: float = 1.0) -> Optional[int]:
-    """L (chunks per segment), or None when CP does not pay. A cost model in forward-chunk times, from what
-    the host knows without a synchronisation (tokens, sequence count; lengths assumed equal):
-    time = waves x chain length x chain cost per chunk, for the plain forward and for each L (plus the
-    pre-pass, whose long chains are the fallback pairs' Z and M: FALLBACK_SHARE of them assumed, the
-    warm-ups of the others being a few chunks; the serial combine; the extra launches), and in an eager call
-    (capturing False) the longer of each path's device and host time. chain_costs: the per-chunk cost by V block of
-    the chain kernel that runs the segments (planner.OUT_CHAIN_COST, the forward's; STAGED_CHAIN_COST for the backward's recompute).
-    CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
+                        num_sms: int, blocks, chain_costs=None, combines: int = 1, paired_share: float = 0.0,
+                        pre_passes: int = 1) -> Optional[int]:
+    """L (chunks per segment) for the backward's recompute (the forward's CP is part of planner.plan_forward), or
+    None when CP does not pay. A cost model in forward-chunk times, from what the host knows without a
+    synchronisation (tokens, sequence count; lengths assumed equal): time = waves x chain length x chain cost per
+    chunk, for the plain chain and for each L (plus the pre-pass, whose long chains are the fallback pairs' Z and M:
+    FALLBACK_SHARE of them assumed, the warm-ups of the others being a few chunks; the serial combine; the extra
+    launches). Device time alone: a replayed plan's host work is the same few microseconds with or without CP.
+    chain_costs: the per-chunk cost by V block of the chain kernel that runs the segments (STAGED_CHAIN_COST for the
+    recompute). CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
     paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM); pre_passes: pre-pass
-    builds per segment (the backward's: BACKWARD_PLAN); host_scale: the path's host time relative to the forward's
-    (BACKWARD_PLAN's, for the backward's launches). Memoised: every forward asks."""
+    builds per segment (BACKWARD_PLAN). Memoised: every backward asks."""
     if settings.force_segment_chunks is not None:
         return settings.force_segment_chunks or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
-             None if capturing else (PLAIN_HOST_COST * host_scale, (PLAIN_HOST_COST + EAGER_HOST_COST) * host_scale),
-             tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), combines,
-             paired_share, pre_passes)
+             tuple(sorted((chain_costs or OUT_CHAIN_COST).items())), combines, paired_share, pre_passes)
     return _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, tuple(blocks), costs)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks, costs) -> Optional[int]:
-    (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, host, chain_costs, combines,
+    (segment_chunks, pre_pass_cost, fallback_share, combine_cost, launch_cost, chain_costs, combines,
      paired_share, pre_passes) = costs
-    plain_host, cp_host = host or (0.0, 0.0)  # None: under capture, where a replay pays no host time
     chain_costs = dict(chain_costs)
     if tokens == 0 or num_seqs == 0:
         return None
@@ -104,9 +90,7 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
     def chains_time(chains: int, length: float) -> float:
         return paired_share * waves_time(chains, length, 2) + (1.0 - paired_share) * waves_time(chains, length, 1)
 
-    # (the longer of device and host time, then device time: where host time hides several L, the least device work)
-    plain = chains_time(num_seqs * num_v_heads, per_seq)
-    best, best_l = (max(plain, plain_host), plain), None
+    best, best_l = chains_time(num_seqs * num_v_heads, per_seq), None
     for L in segment_chunks:
         if L >= per_seq:
             break
@@ -116,9 +100,8 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * fallback_share
         pre = pre_passes * max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
         device = main + pre + per_seq_segments * combines * combine_cost + launch_cost
-        t = (max(device, cp_host), device)
-        if t < best:
-            best, best_l = t, L
+        if device < best:
+            best, best_l = device, L
     return best_l
 
 

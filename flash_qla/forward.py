@@ -21,8 +21,8 @@ from . import cp
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
                      dense, empty, join, launch, num_sms, packed, side_stream)
-from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, plan_block_v, plan_fused_block_v, plan_heads_per_cta,
-                      plan_irregular_block_v, prefer_fused)
+from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v, plan_forward, plan_heads_per_cta,
+                      plan_irregular_block_v)
 from .tuning import settings
 from .validation import Problem
 
@@ -54,15 +54,13 @@ def _chain_costs(kernel: str) -> dict:
     return OUT_CHAIN_COST if kernel == CHAIN_KERNEL else STAGED_CHAIN_COST
 
 
-def _segment_chunks(problem: Problem, tag: str, device: torch.device, save: bool = False) -> Optional[int]:
-    """CP segment length (chunks) for this forward, or None (flash_qla/cp.py); save: for the backward's
-    recompute, whose segments run gdn_bwd_recompute's save build (staged chains, its own V blocks)."""
-    kernel, mode = (RECOMPUTE_KERNEL, "save") if save else (CHAIN_KERNEL, "out")
-    built = tuple(built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v))
+def _recompute_segment_chunks(problem: Problem, tag: str, device: torch.device) -> Optional[int]:
+    """CP segment length (chunks) for the backward's recompute, or None (flash_qla/cp.py): its segments run
+    gdn_bwd_recompute's save build (staged chains, its own V blocks)."""
+    built = tuple(built_blocks(RECOMPUTE_KERNEL, "save", tag, problem.head_dim_k, problem.head_dim_v))
     return cp.plan_segment_chunks(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
                                   problem.head_dim_k, problem.head_dim_v, num_sms(device), built,
-                                  capturing=True, chain_costs=_chain_costs(kernel),
-                                  **(cp.BACKWARD_PLAN if save else {}))
+                                  chain_costs=STAGED_CHAIN_COST, **cp.BACKWARD_PLAN)
 
 
 _DENSE_CU: dict = {}  # (batch, tokens, device index) -> the made-up cu_seqlens of a dense batch
@@ -138,9 +136,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     stream = current_stream(dev)
     tag = DTYPE_TAG[dt]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    L = _segment_chunks(problem, tag, dev, save=saved is not None)
-    fused_bv = (_fused_block(problem, tag, dev, use_qk_l2norm)
-                if saved is None and L is None and not want_gate_free_inverse else None)
+    plan = _forward_plan(problem, tag, dev, use_qk_l2norm, want_gate_free_inverse) if saved is None else None
+    L = plan.segment_chunks if plan is not None else _recompute_segment_chunks(problem, tag, dev)
+    fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
                                fused_bv, stream)
@@ -171,7 +169,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     ht = (empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht" if returned else None)
           if output_final_state and not (returned and L is not None) else o.new_empty(0))
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
-    hpc = _heads_per_cta(problem, dev)
+    hpc = plan.heads_per_cta if plan is not None and plan.path == "split" else _heads_per_cta(problem, dev)
     # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
     # recurrence kernels then read in place of q / k
     qn, kn = ((empty(T, problem.num_qk_heads, K, device=dev, dtype=dt) for _ in range(2)) if use_qk_l2norm
@@ -202,7 +200,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     if saved is None and L is not None:
         ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
     elif saved is None:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": _block_v(problem, tag, dev), "mode": "out"}
+        variant = {"dtype": tag, "K": K, "V": V, "BV": plan.block_v, "mode": "out"}
         launch(CHAIN_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
                 pointers, stream)
     else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
@@ -235,21 +233,24 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     return o, ht, A, (cu, offsets)
 
 
-def _fused_block(problem: Problem, tag: str, device: torch.device, l2norm: bool) -> Optional[int]:
-    """gdn_fwd_fused's V block for this plain forward, or None for gdn_prepare + gdn_fwd_chain. The block is
-    settings.force_block_v when built, else planned (flash_qla/planner.py plan_fused_block_v) among the builds with this
-    l2norm flag; the path is pinned by settings.use_fused, else planned (prefer_fused at that block)."""
-    built = built_blocks(FUSED_KERNEL, None, tag, problem.head_dim_k, problem.head_dim_v, int(l2norm))
-    if settings.use_fused is False or not built:
-        return None
-    tokens, sms = problem.batch * problem.tokens, num_sms(device)
-    bv = (settings.force_block_v if settings.force_block_v is not None and settings.force_block_v in built else
-          plan_fused_block_v(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms, tuple(built),
-                             bool(l2norm)))
-    if settings.use_fused or prefer_fused(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, sms,
-                                 _block_v(problem, tag, device), _heads_per_cta(problem, device), bool(l2norm), bv):
-        return bv
-    return None
+def _forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
+                  want_gate_free_inverse: bool) -> ForwardPlan:
+    """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP), V block, gdn_prepare
+    heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants), narrowed by the
+    tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0: no CP). A
+    forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel."""
+    K, V = problem.head_dim_k, problem.head_dim_v
+    forced_l = settings.force_segment_chunks
+    if forced_l:
+        return ForwardPlan("cp", None, None, forced_l, 0.0)
+    fused = (() if want_gate_free_inverse or settings.use_fused is False else
+             tuple(built_blocks(FUSED_KERNEL, None, tag, K, V, int(l2norm))))
+    chain = tuple(built_blocks(CHAIN_KERNEL, "out", tag, K, V))
+    bv = settings.force_block_v if settings.force_block_v in fused + chain else None
+    return plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
+                        V, num_sms(device), fused, chain, cp.SEGMENT_CHUNKS, bool(l2norm),
+                        path="fused" if settings.use_fused and fused else None, block_v=bv,
+                        heads_per_cta=settings.force_heads_per_cta, allow_cp=forced_l is None)
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:

@@ -4,7 +4,8 @@ One CTA walks one (sequence, v-head, V-block) chain of chunks, so there are N * 
 each SM runs one at a time (the chain kernels' shared memory allows one CTA per SM). A chain kernel's time
 is about waves * chain time, waves = ceil(chains / SMs). A narrower block gives more chains but does not
 make a chain proportionally shorter (the per-chunk latency chain of GEMMs stays), so narrow only when that
-adds no wave; ties go to the wider block (less redundant work).
+adds no wave; ties go to the wider block (less redundant work). The plain forward's whole plan (fused kernel,
+prepare + chain, or intra-card CP; V block; gdn_prepare heads per CTA) is plan_forward's, below.
 Chain costs (relative per-chunk time of one chain, H200, CUDA graphs):
   OUT_CHAIN_COST     gdn_fwd_chain (state in registers; one consumer warpgroup per 64 columns), plain forward minus
                      gdn_prepare (after the bank-conflict fixes): one wave either
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Iterable
+from typing import Dict, Iterable, NamedTuple, Optional
 
 OUT_CHAIN_COST = {64: 1.0, 128: 1.38}
 STAGED_CHAIN_COST = {32: 0.86, 64: 1.0, 128: 2.06}
@@ -68,20 +69,11 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
     return min(reversed(candidates), key=cost)  # ties: the most heads per CTA
 
 
-# The plain forward's two paths (flash_qla/forward.py): gdn_prepare + gdn_fwd_chain, or gdn_fwd_fused alone. Measured on the
-# H200 (K = V = 128, bf16):
-# gdn_fwd_fused: one chain's 64-token chunk by V block (BV = 64: its aux warpgroup sets the pace; BV = 128: two
-# consumer warpgroups share the SM's tensor cores and issue slots with the aux, TP8 1x32768 CP off 1.76 ms / 512)
-FUSED_CHUNK_US = {64: 2.35, 128: 3.44}
-SPLIT_CHUNK_US = 1.70    # gdn_fwd_chain at BV = 64 (times OUT_CHAIN_COST for its other blocks)
-PREPARE_CTA_US = 11.4    # a one-head gdn_prepare CTA at four CTAs per SM (an hpc-head CTA: PREPARE_SHARED_COST +
-                         # hpc * PREPARE_HEAD_COST times that, as plan_heads_per_cta weighs it)
-PREPARE_MIN_US = 10.0    # a launch's floor
-# use_qk_l2norm_in_kernel: gdn_prepare normalises (and stores) each CTA's q / k rows, about one more one-head CTA's
-# time per CTA; gdn_fwd_fused takes Q Q^T and the norms' scalings on its aux warpgroup (2B-TP1 4096x8: split 0.355 ->
-# 0.537 ms, fused 0.333 -> 0.402; TP8 4096x8: 0.175 -> 0.205, 0.168 -> 0.227)
-L2NORM_PREPARE_CTAS = 1.0
-L2NORM_FUSED_CHUNK_US = 0.7
+# use_qk_l2norm_in_kernel (H100 fit, scripts/plan_sweep.py --l2norm): gdn_fwd_fused takes Q Q^T and the norms' scalings
+# on its aux warpgroup, L2NORM_FUSED_CHUNK_US more per chunk; gdn_prepare normalises (and stores) each chunk's q / k rows
+# once per q / k head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs
+L2NORM_FUSED_CHUNK_US = 0.608
+L2NORM_PREPARE_US = 3.71
 
 
 def _chain_us(chunks: float, chains: float, blocks_per_chain: int, num_sms: int, per_chunk_us: float) -> float:
@@ -89,13 +81,6 @@ def _chain_us(chunks: float, chains: float, blocks_per_chain: int, num_sms: int,
     longer of the average chain and the total work spread over the SMs (the host knows only the token and
     sequence counts, not the lengths)."""
     return max(chunks / chains, chunks * blocks_per_chain / num_sms) * per_chunk_us
-
-
-def _fused_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, bv: int,
-              l2norm: bool) -> float:
-    chunks = tokens / 64
-    return _chain_us(chunks * num_v_heads, num_seqs * num_v_heads, head_dim_v // bv, num_sms,
-                     FUSED_CHUNK_US[bv] + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0))
 
 
 # A packed batch of several sequences (no CP) gives chains of unequal lengths that the host does not see (it knows
@@ -121,27 +106,98 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
                key=lambda bv: _chain_us(chunks, chains, head_dim_v // bv, num_sms, table.get(bv, bv / 64)))
 
 
-@functools.lru_cache(maxsize=4096)
-def plan_fused_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int,
-                       blocks: tuple, l2norm: bool = False) -> int:
-    """gdn_fwd_fused's V block among the built ones: 64 while it keeps the chains within about a wave, 128 (half
-    the CTAs, each chunk 1.46x as long) once narrower blocks would add waves. Ties: the wider block."""
-    return min(sorted(blocks, reverse=True),
-               key=lambda bv: _fused_us(tokens, num_seqs, num_v_heads, head_dim_v, num_sms, bv, l2norm))
+# The plain forward's plan (plan_forward), from a model fitted on an H100 by least squares over every plan of 130 grid
+# and 24 standard shapes (scripts/plan_sweep.py; bench/results/h100/plan_sweep*.jsonl hold a later sweep that checks
+# it, held-out shapes included). Each chain kernel runs one CTA per SM, so equal chains take rounds = ceil(CTAs / SMs)
+# rounds, each (chunks per chain x a per-chunk time + a per-chain time: the state's load and store and the prologue).
+# The per-chain time decides batches of short sequences: on 256 sequences of 32 tokens a fused chain costs 7.7 / 11.2
+# us (BV 64 / 128) for one 2.4 / 3.5 us chunk, and gdn_prepare + gdn_fwd_chain wins by 5-24%. Counting rounds, not
+# spreading chunks evenly over the SMs, sends 96 heads of one sequence to BV = 128 (one round; 1.33x faster than two
+# rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
+# can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
+FUSED_FIT_US = {64: (2.350, 5.41), 128: (3.492, 7.85)}   # gdn_fwd_fused: (per chunk, per chain)
+CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
+# gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
+PREPARE_FIT_US = (3.619, 9.625, 19.63)
+# intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over the features
+# (out-chain rounds x L, out-chain rounds, pre-pass rounds, segments per sequence): a least-squares fit, not a
+# physical split (the pre-pass and the out chain's rounds move together)
+CP_FIT_US = (2.725, -25.77, 29.22, 3.611)
+
+
+class ForwardPlan(NamedTuple):
+    path: str                        # "fused", "split" (gdn_prepare + gdn_fwd_chain) or "cp"
+    block_v: Optional[int]           # the V block of the fused or split chain (CP: planned per segment count)
+    heads_per_cta: Optional[int]     # gdn_prepare's (split)
+    segment_chunks: Optional[int]    # CP's L
+    predicted_us: float
+
+
+def _fit(table: dict, bv: int) -> tuple:
+    if bv in table:
+        return table[bv]
+    c, f = table[64]
+    return c * bv / 64, f  # a block outside the fit: per-chunk work in proportion
+
+
+def _rounds(ctas: float, num_sms: int) -> int:
+    return max(1, math.ceil(ctas / num_sms))
+
+
+def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, hpc: int, num_sms: int,
+                l2norm: bool) -> float:
+    slots = chunks * num_seqs + num_seqs
+    ctas = slots * num_v_heads / hpc
+    per_cta, per_head, floor = PREPARE_FIT_US
+    cost = ctas * (per_cta + per_head * hpc) / (PREPARE_CTAS_PER_SM * num_sms)
+    if l2norm:
+        cost += L2NORM_PREPARE_US * slots * num_qk_heads / num_sms
+    return cost + floor
 
 
 @functools.lru_cache(maxsize=4096)
-def prefer_fused(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, split_bv: int,
-                 heads_per_cta: int, l2norm: bool = False, fused_bv: int = 64) -> bool:
-    """Whether gdn_fwd_fused at V block fused_bv (no materialised Agb / P, but slower chunks than gdn_fwd_chain)
-    beats gdn_prepare + gdn_fwd_chain at V block split_bv. It wins where the prepare pass weighs most: one wave of
-    chains with many heads (TP1 1x32768, 2B 8192x4), or where gdn_fwd_chain must take BV = 128."""
-    chunks = tokens / 64  # of the packed batch, per head
-    chains = num_seqs * num_v_heads
-    fused = _fused_us(tokens, num_seqs, num_v_heads, head_dim_v, num_sms, fused_bv, l2norm)
-    split_chain = _chain_us(chunks * num_v_heads, chains, head_dim_v // split_bv, num_sms,
-                            SPLIT_CHUNK_US * OUT_CHAIN_COST.get(split_bv, split_bv / 64))
-    prepare_ctas = (chunks + num_seqs) * num_v_heads / heads_per_cta
-    per_cta = PREPARE_SHARED_COST + heads_per_cta * PREPARE_HEAD_COST + (L2NORM_PREPARE_CTAS if l2norm else 0.0)
-    prepare = max(PREPARE_MIN_US, prepare_ctas * PREPARE_CTA_US * per_cta / (PREPARE_CTAS_PER_SM * num_sms))
-    return fused < split_chain + prepare
+def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
+                 fused_blocks: tuple, chain_blocks: tuple, segment_chunks: tuple, l2norm: bool = False,
+                 path: Optional[str] = None, block_v: Optional[int] = None, heads_per_cta: Optional[int] = None,
+                 allow_cp: bool = True) -> ForwardPlan:
+    """The fastest predicted plan of a plain forward among the built variants, from what the host knows (token and
+    sequence counts: lengths taken equal). path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp
+    False leaves intra-card CP out."""
+    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
+    ratio = num_v_heads // num_qk_heads
+    hpcs = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0 and heads_per_cta in (None, d)]
+    plans = []
+    if path in (None, "fused"):
+        for bv in fused_blocks:
+            if block_v in fused_blocks and bv != block_v:  # a pinned block binds the kernels that build it
+                continue
+            c, f = _fit(FUSED_FIT_US, bv)
+            c += L2NORM_FUSED_CHUNK_US if l2norm else 0.0
+            t = _rounds(num_seqs * num_v_heads * (head_dim_v // bv), num_sms) * (chunks * c + f)
+            plans.append(ForwardPlan("fused", bv, None, None, t))
+    if path in (None, "split"):
+        for bv in chain_blocks:
+            if block_v in chain_blocks and bv != block_v:
+                continue
+            c, f = _fit(CHAIN_FIT_US, bv)
+            chain = _rounds(num_seqs * num_v_heads * (head_dim_v // bv), num_sms) * (chunks * c + f)
+            for hpc in hpcs:
+                t = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm) + chain
+                plans.append(ForwardPlan("split", bv, hpc, None, t))
+    if allow_cp and path in (None, "cp"):
+        hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)
+        prepare = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
+        for L in segment_chunks:
+            if 2 * L > chunks:  # a sequence needs two segments at least
+                continue
+            segments = math.ceil(chunks / L) * num_seqs
+            bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
+            rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
+            pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
+            features = (rounds * L, rounds, pre_rounds, math.ceil(chunks / L))
+            t = prepare + sum(a * b for a, b in zip(CP_FIT_US, features))
+            plans.append(ForwardPlan("cp", None, None, L, t))
+    if not plans:
+        raise ValueError(f"no forward plan fits path={path!r}, block_v={block_v!r}, heads_per_cta={heads_per_cta!r} "
+                         f"(built fused blocks {fused_blocks}, chain blocks {chain_blocks})")
+    return min(plans, key=lambda p: p.predicted_us)

@@ -19,14 +19,15 @@ from typing import Iterator, Optional
 
 @dataclasses.dataclass
 class Tuning:
-    # The plain forward's path: None lets the planner choose (planner.prefer_fused); True / False pin
-    # gdn_fwd_fused or gdn_prepare + gdn_fwd_chain.
+    # The plain forward's path: None lets the planner choose (planner.plan_forward); True pins gdn_fwd_fused, False
+    # leaves it out (gdn_prepare + gdn_fwd_chain, or intra-card CP).
     use_fused: Optional[bool] = None
     # A V block every chain kernel that builds it uses (tests cover each built variant); None: planned.
     force_block_v: Optional[int] = None
     # gdn_prepare's v-heads per CTA (a divisor of Hv / Hq, <= 4); None: planned.
     force_heads_per_cta: Optional[int] = None
-    # Intra-card CP segment length in chunks; 0 never takes CP; None: planned (cp.plan_segment_chunks).
+    # Intra-card CP segment length in chunks; 0 never takes CP; None: planned (the forward: planner.plan_forward; the
+    # backward's recompute: cp.plan_segment_chunks).
     force_segment_chunks: Optional[int] = None
     # Fill every output and workspace with NaN (integer tables: their most negative value) before the launches,
     # so an element a kernel fails to write shows.

@@ -1,0 +1,136 @@
+"""The forward planner against every plan it could have chosen: CUDA-graph time of each candidate on a grid of shapes.
+
+For each shape of a set (grid: v-heads 4 to 128 with GVA ratios 2 and 4, K = V = 128, bf16, one long sequence,
+equal batches, unequal mixes and many short sequences; holdout: other head counts and lengths; standard: the
+benchmark matrix's forward rows), the forward is timed under each pinned plan:
+  fused  gdn_fwd_fused at V block 64 / 128 (no CP)
+  split  gdn_prepare + gdn_fwd_chain at V block 64 / 128, each gdn_prepare heads-per-CTA the GVA ratio allows (no CP)
+  cp     intra-card CP at each segment length the shape admits (the planner's V block and heads per CTA)
+and under the planner's own choice ("planned"). A row reports the best candidate and planned / best.
+
+usage (GPU machine, repository root):
+  python scripts/plan_sweep.py --out bench/results/h100/plan_sweep.jsonl [--sets grid,holdout,standard] [--l2norm]
+                               [--shapes SUBSTRING] [--tolerance 0.03]
+Writes one JSON line per shape: {"set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm", "planned_ms", "best", "best_ms", "ratio",
+"candidates": {name: ms}}; exits 1 when a shape's planned time is more than --tolerance above its best.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+import flash_qla
+from flash_qla import cp, plans
+from flash_qla.bench.inputs import draw_inputs
+from flash_qla.bench.matrix import BenchRow, iter_rows, load_matrix
+from flash_qla.bench.timing import graph_median_ms
+from flash_qla.launch import CHAIN_KERNEL, FUSED_KERNEL, built_blocks
+from flash_qla.planner import PREPARE_MAX_HEADS
+from flash_qla.tuning import override
+
+HEADS = [(2, 4), (2, 8), (4, 8), (3, 12), (4, 16), (6, 24), (8, 32), (16, 32), (12, 48), (16, 64), (32, 64),
+         (24, 96), (32, 128)]
+
+
+def length_mixes() -> list:
+    rng = random.Random(7)
+    return [
+        ("1x4096", (4096,)), ("1x16384", (16384,)), ("1x32768", (32768,)),
+        ("4x4096", (4096,) * 4), ("8x2048", (2048,) * 8), ("16x1024", (1024,) * 16),
+        ("14336+2048", (14336, 2048)), ("mixed8", tuple(rng.choice((256, 1024, 3000, 6000)) for _ in range(8))),
+        ("64x256", (256,) * 64), ("256x32", (32,) * 256),
+    ]  # two of unequal lengths: rows with equal_lengths false
+
+
+# shapes the model was not fitted on: other lengths and head counts
+HOLDOUT_HEADS = [(1, 4), (2, 6), (5, 20), (10, 40), (20, 80), (14, 56)]
+HOLDOUT_LENGTHS = [("1x8192", (8192,)), ("2x8192", (8192,) * 2), ("32x512", (512,) * 32), ("128x64", (64,) * 128),
+                   ("512x16", (16,) * 512), ("1x65536", (65536,))]
+
+
+def shapes(which: str):
+    """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's forward rows)."""
+    if which == "grid":
+        for hq, hv in HEADS:
+            for label, lens in length_mixes():
+                yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
+    elif which == "holdout":
+        for hq, hv in HOLDOUT_HEADS:
+            for label, lens in HOLDOUT_LENGTHS:
+                yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
+    elif which == "standard":
+        for row in iter_rows(load_matrix(), ("fwd",), ""):
+            yield f"{row.model}|{row.label}", row.hq, row.hv, row.label, row.seqlens
+    else:
+        raise ValueError(f"unknown shape set {which!r}: grid, holdout or standard")
+
+
+def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
+    ratio = hv // hq
+    fused = built_blocks(FUSED_KERNEL, None, "bf16", 128, 128, int(l2norm))
+    out = {f"fused_bv{bv}": dict(use_fused=True, force_block_v=bv, force_segment_chunks=0) for bv in fused}
+    for bv in built_blocks(CHAIN_KERNEL, "out", "bf16", 128, 128):
+        for hpc in (d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0):
+            out[f"split_bv{bv}_hpc{hpc}"] = dict(use_fused=False, force_block_v=bv, force_heads_per_cta=hpc,
+                                                 force_segment_chunks=0)
+    longest_chunks = -(-max(seqlens) // 64)
+    for L in cp.SEGMENT_CHUNKS:
+        if 2 * L <= longest_chunks:  # a sequence of at least two segments
+            out[f"cp_L{L}"] = dict(force_segment_chunks=L)
+    return out
+
+
+def time_plan(x, pins: dict, device, l2norm: bool) -> float:
+    def run():
+        with torch.no_grad():
+            return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
+                                                    output_final_state=True, cu_seqlens=x.cu_seqlens,
+                                                    use_qk_l2norm_in_kernel=l2norm)
+    with override(**pins):
+        ms, why = graph_median_ms(run, device, replays=5, rounds=3)
+    if ms is None:
+        raise RuntimeError(why)
+    return ms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
+    ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--sets", default="grid", help="comma-separated shape sets: grid, holdout, standard")
+    ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    worst = 1.0
+    with open(args.out, "w") as f:
+        for which in args.sets.split(","):
+            for name, hq, hv, label, lens in shapes(which):
+                if args.shapes and args.shapes not in name:
+                    continue
+                x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
+                times = {c: time_plan(x, pins, device, args.l2norm) for c, pins in candidates(hq, hv, lens, args.l2norm).items()}
+                planned = time_plan(x, {}, device, args.l2norm)
+                best = min(times, key=times.get)
+                ratio = planned / min(times[best], planned)
+                worst = max(worst, ratio)
+                rec = dict(set=which, shape=name, hq=hq, hv=hv, tokens=sum(lens), seqs=len(lens),
+                           equal_lengths=len(set(lens)) == 1, l2norm=args.l2norm,
+                           planned_ms=round(planned, 4), best=best, best_ms=round(times[best], 4),
+                           ratio=round(ratio, 4), candidates={c: round(t, 4) for c, t in times.items()})
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                print(f"{which:8s} {name:28s} planned {planned:.4f} best {best} {times[best]:.4f} ratio {ratio:.3f}",
+                      flush=True)
+                plans.clear()
+                del x
+    print(f"worst planned / best: {worst:.3f}")
+    return 0 if worst <= 1 + args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
