@@ -213,8 +213,9 @@ def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, c
             from . import torch_ops
             return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm)
         ops = _kernel_ops()
-        extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=cu_seqlens_cpu,
-                              auto_cp=None if auto_cp else False)
+        host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
+            cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None)
+        extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=host_cu, auto_cp=None if auto_cp else False)
         return ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm, **extra)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens)
     return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, h0, need_final, cu, l2norm,

@@ -23,6 +23,7 @@ from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KER
                      dense, empty, join, launch, num_sms, packed, side_stream)
 from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v, plan_forward, plan_heads_per_cta,
                       plan_irregular_block_v)
+from .states import PLAIN_IO, StateIO
 from .tuning import settings
 from .validation import Problem
 
@@ -114,8 +115,13 @@ def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tens
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
-            g_is_cumsum: bool = False, after_cp_tables=None):
+            g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO, plan: Optional[ForwardPlan] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
+
+    ``state_io`` (flash_qla/states.py): the caller's state layout and pool, which the kernels read and write in
+    place: initial_state is then [N, Hv, V, K] (V-first) and / or a pool indexed by state_io.index, and the final
+    states go to state_io.write (returned as the final state) or to a new [N, ...] tensor in the caller's layout.
+    Only where native_state_io() says so (no intra-card CP); the recompute (``saved``) reads a V-first h0 likewise.
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_bwd_recompute runs and
     the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
@@ -123,7 +129,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
     With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
     with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so).
-    ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
+    ``plan``: the forward's plan when the caller made it (with the host-known lengths, forward_plan); else planned
+    here. ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
     launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own)."""
     dev = q.device
     dt = q.dtype
@@ -136,12 +143,16 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     stream = current_stream(dev)
     tag = DTYPE_TAG[dt]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    plan = _forward_plan(problem, tag, dev, use_qk_l2norm, want_gate_free_inverse) if saved is None else None
+    if saved is None and plan is None:
+        plan = forward_plan(problem, tag, dev, use_qk_l2norm, want_gate_free_inverse)
     L = plan.segment_chunks if plan is not None else _recompute_segment_chunks(problem, tag, dev)
+    if L is not None and state_io.mode:
+        raise ValueError("internal: the kernels read / write the caller's state layout and pool only without "
+                         "intra-card CP (forward.native_state_io); the caller converts the states around a CP call")
     fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
-                               fused_bv, stream)
+                               fused_bv, stream, state_io)
         return o, ht, None, (cu_seqlens, None)
     cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
     agb, pqk = (empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
@@ -166,8 +177,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         width = TC if i < 3 else TC // CHUNK
         return tiles[i * Hv * TC:i * Hv * TC + Hv * width].view(Hv, width)
     o = empty(*shape, Hv, V, device=dev, dtype=dt, output="o" if returned else None)
-    ht = (empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht" if returned else None)
-          if output_final_state and not (returned and L is not None) else o.new_empty(0))
+    if saved is None and L is None:
+        ht = final_states(problem, state_io, output_final_state, dev, o)
+    else:
+        ht = (empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht" if returned else None)
+              if output_final_state and not (returned and L is not None) else o.new_empty(0))
     sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     hpc = plan.heads_per_cta if plan is not None and plan.path == "split" else _heads_per_cta(problem, dev)
     # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
@@ -192,7 +206,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr(),
-                "seq_order": order.data_ptr()}
+                "seq_order": order.data_ptr(), "state_idx": state_io.index_ptr(cu)}
 
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
         return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
@@ -201,8 +215,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
     elif saved is None:
         variant = {"dtype": tag, "K": K, "V": V, "BV": plan.block_v, "mode": "out"}
-        launch(CHAIN_KERNEL, variant, dev, dict(sizes, use_h0=int(h0 is not None), store_ht=int(output_final_state)),
-                pointers, stream)
+        launch(CHAIN_KERNEL, variant, dev,
+               dict(sizes, use_h0=int(h0 is not None), store_ht=int(ht.numel() > 0), state_mode=state_io.mode,
+                    h0_rows=h0.shape[0] if h0 is not None else N, ht_rows=ht.shape[0] if ht.numel() else N),
+               pointers, stream)
     else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
         hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
         w, vnew = (empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))
@@ -213,13 +229,17 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
                      sizes=sizes, tag=tag, order=order,
                      slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn)
-        chain_sizes, chains = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1), None
+        if state_io.index is not None:
+            raise ValueError("internal: the backward's recompute reads a dense initial state (no pool)")
+        chain_sizes = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1, state_mode=state_io.mode)
+        chains = None
         if L is not None:  # intra-card CP: the segments' entering states, then the segments as sequences
             seg, h_in, reverse = _cp_entry_states(problem, L, tag, sizes, pointers, cp_inputs(), stream, bidi=True,
                                                   after_tables=after_cp_tables)
             saved["cp"] = (seg, *reverse)  # the backward's dh chain runs the same segments (gdn_bwd_dh)
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
-            chain_sizes, chains = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0), seg.count
+            chain_sizes = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0, state_mode=0)
+            chains = seg.count
         bv = _block_v(problem, tag, dev, kernel=RECOMPUTE_KERNEL, mode="save", chains_per_head=chains)
         if save_stream is not None:
             join(save_stream, torch.cuda.current_stream(dev))
@@ -233,12 +253,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     return o, ht, A, (cu, offsets)
 
 
-def _forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
-                  want_gate_free_inverse: bool) -> ForwardPlan:
+def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
+                  want_gate_free_inverse: bool, longest: Optional[int] = None) -> ForwardPlan:
     """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP), V block, gdn_prepare
     heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants), narrowed by the
     tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0: no CP). A
-    forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel."""
+    forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel. longest: the
+    longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal)."""
     K, V = problem.head_dim_k, problem.head_dim_v
     forced_l = settings.force_segment_chunks
     if forced_l:
@@ -250,7 +271,7 @@ def _forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool
     return plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
                         V, num_sms(device), fused, chain, cp.SEGMENT_CHUNKS, bool(l2norm),
                         path="fused" if settings.use_fused and fused else None, block_v=bv,
-                        heads_per_cta=settings.force_heads_per_cta, allow_cp=forced_l is None)
+                        heads_per_cta=settings.force_heads_per_cta, allow_cp=forced_l is None, longest=longest)
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:
@@ -261,21 +282,46 @@ def _heads_per_cta(problem: Problem, device: torch.device) -> int:
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
-                   bv: int, stream):
+                   bv: int, stream, state_io: StateIO = PLAIN_IO):
     """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
     o = empty(problem.batch, problem.tokens, Hv, V, device=dev, dtype=q.dtype, output="o")
-    ht = empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht") if output_final_state else o.new_empty(0)
+    ht = final_states(problem, state_io, output_final_state, dev, o)
     variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv}
     launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
-             "use_h0": int(h0 is not None), "store_ht": int(output_final_state)},
+             "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
+             "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
             {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
-             "ht": ht.data_ptr()}, stream)
+             "ht": ht.data_ptr(), "state_idx": state_io.index_ptr(cu)}, stream)
     return o, ht
+
+
+def final_states(problem: Problem, state_io: StateIO, output_final_state: bool, device, o) -> torch.Tensor:
+    """Where a plain forward's chains store the final states: state_io.write (a pool written through the index
+    table, or the caller's [N, ...] buffer), else a new [N, Hv, K, V] ([N, Hv, V, K] V-first) float32 tensor when
+    asked for, else an empty tensor (nothing stored)."""
+    if state_io.write is not None:
+        return state_io.write
+    if not output_final_state:
+        return o.new_empty(0)
+    K, V = problem.head_dim_k, problem.head_dim_v
+    inner = (V, K) if state_io.v_first else (K, V)
+    return empty(problem.num_seqs, problem.num_v_heads, *inner, device=device, dtype=torch.float32, output="ht")
+
+
+def native_state_io(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
+                    want_gate_free_inverse: bool = False, plan: Optional[ForwardPlan] = None) -> bool:
+    """Whether this forward's kernels read and write the caller's states as they are (forward(state_io=...)): on
+    every path but intra-card CP, whose combine and per-segment states work in [.., K, V]; for CP the caller gathers /
+    transposes the initial states and scatters the final ones around the call (flash_qla/states.py). plan: the
+    forward's plan when the caller made it (else planned here, as forward plans it)."""
+    if plan is None:
+        plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, want_gate_free_inverse)
+    return plan.segment_chunks is None
 
 
 def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False):
@@ -332,7 +378,8 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     # fallback segments in place
     out = empty(S, Hv, K, V, device=dev, dtype=torch.float32)
     m = empty(S, Hv, K, K, device=dev, dtype=torch.float32)
-    seg_sizes = dict(sizes, N=S)
+    # the pre-pass chains read no h0 and store [S, Hv, K, V] (internal: the plain layout, no pool)
+    seg_sizes = dict(sizes, N=S, h0_rows=S, ht_rows=S, state_mode=0)
     # the two pre-pass builds are independent: the transitions run on a side stream beside the warm-ups
     # (fork / join by events, so a CUDA graph captures them as parallel branches)
     main, side = torch.cuda.current_stream(dev), side_stream(dev, side_name)
@@ -362,7 +409,7 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
     ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
     bv = _block_v(problem, tag, dev, chains_per_head=S)
     launch(CHAIN_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
-            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state)),
+            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0),
             dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
                  ht=ht_seg.data_ptr()), stream)
     if not output_final_state:

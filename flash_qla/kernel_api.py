@@ -13,8 +13,9 @@ import torch
 
 from . import plans
 from .backward import backward
-from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward
-from .launch import PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream, supported_head_dims
+from .forward import SegmentStates, forward_plan, chunk_local_cumsum, device_cu_seqlens, forward
+from .launch import DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream, supported_head_dims
+from .planner import ForwardPlan
 from .tuning import settings
 from .validation import Problem, validate_kernel_inputs
 
@@ -65,11 +66,11 @@ def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_
 
 
 def _record_forward(problem: Problem, inputs: tuple, dev: torch.device, output_final_state: bool, l2norm: bool,
-                    want_gate_free_inverse: bool = False):
+                    want_gate_free_inverse: bool = False, plan: Optional[ForwardPlan] = None):
     """A forward run as written on prepared inputs (a plan's recording): ((o, A, ht), finish)."""
     qi, ki, vi, gi, bi, h0, cu = inputs
     o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, l2norm,
-                          want_gate_free_inverse=want_gate_free_inverse)
+                          want_gate_free_inverse=want_gate_free_inverse, plan=plan)
     if isinstance(ht, SegmentStates):
         ht = per_sequence(problem, ht, dev, "ht")
     return (o, A, ht), _finish_forward
@@ -127,13 +128,19 @@ class Call:
     keeps one per plain signature (its fast lane): a repeat goes from the API straight to here, with no checks run
     again, then to the plan, or through autograd, whose forward replays the same plan."""
 
-    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device")
+    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
-                 output_final_state: bool, l2norm: bool):
+                 output_final_state: bool, l2norm: bool, longest: Optional[int] = None):
         self.problem, self.device = problem, device
         self.output_final_state, self.l2norm = output_final_state, l2norm
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
+        # host-known lengths plan the forward from the longest sequence: the plan (not the lengths) joins the key,
+        # so batches that plan alike share one recorded plan
+        self.plan = None
+        if longest is not None:
+            self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
+            self.key += (self.plan[:4],)
 
     def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
@@ -151,7 +158,8 @@ class Call:
         return o, ht
 
     def _record(self, inputs):
-        return _record_forward(self.problem, inputs, self.device, self.output_final_state, self.l2norm)
+        return _record_forward(self.problem, inputs, self.device, self.output_final_state, self.l2norm,
+                               plan=self.plan)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -176,11 +184,16 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel):
-    """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None)."""
+                           use_qk_l2norm_in_kernel, cu_seqlens_cpu=None):
+    """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None).
+    cu_seqlens_cpu: cu_seqlens' values on the host (checked by the API), which plan the forward from the longest
+    sequence instead of equal lengths."""
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
+    longest = None
+    if cu_seqlens_cpu is not None and problem.num_seqs > 1:
+        longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
-                use_qk_l2norm_in_kernel)(q, k, v, g, beta, initial_state, cu_seqlens)
+                use_qk_l2norm_in_kernel, longest)(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,

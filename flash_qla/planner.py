@@ -159,11 +159,17 @@ def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
 def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
                  fused_blocks: tuple, chain_blocks: tuple, segment_chunks: tuple, l2norm: bool = False,
                  path: Optional[str] = None, block_v: Optional[int] = None, heads_per_cta: Optional[int] = None,
-                 allow_cp: bool = True) -> ForwardPlan:
-    """The fastest predicted plan of a plain forward among the built variants, from what the host knows (token and
-    sequence counts: lengths taken equal). path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp
-    False leaves intra-card CP out."""
-    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
+                 allow_cp: bool = True, longest: Optional[int] = None) -> ForwardPlan:
+    """The fastest predicted plan of a plain forward among the built variants, from what the host knows: token and
+    sequence counts, and ``longest`` (the longest sequence's tokens) when the caller gave the lengths on the host
+    (cu_seqlens_cpu); without it lengths are taken equal. A chain kernel then takes the longer of its longest chain
+    and its rounds of mean chains. path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp False
+    leaves intra-card CP out."""
+    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))  # the mean sequence's
+    longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
+
+    def chain_us(ctas: int, c: float, f: float) -> float:
+        return max(longest_chunks * c + f, _rounds(ctas, num_sms) * (chunks * c + f))
     ratio = num_v_heads // num_qk_heads
     hpcs = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0 and heads_per_cta in (None, d)]
     plans = []
@@ -173,14 +179,14 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                 continue
             c, f = _fit(FUSED_FIT_US, bv)
             c += L2NORM_FUSED_CHUNK_US if l2norm else 0.0
-            t = _rounds(num_seqs * num_v_heads * (head_dim_v // bv), num_sms) * (chunks * c + f)
+            t = chain_us(num_seqs * num_v_heads * (head_dim_v // bv), c, f)
             plans.append(ForwardPlan("fused", bv, None, None, t))
     if path in (None, "split"):
         for bv in chain_blocks:
             if block_v in chain_blocks and bv != block_v:
                 continue
             c, f = _fit(CHAIN_FIT_US, bv)
-            chain = _rounds(num_seqs * num_v_heads * (head_dim_v // bv), num_sms) * (chunks * c + f)
+            chain = chain_us(num_seqs * num_v_heads * (head_dim_v // bv), c, f)
             for hpc in hpcs:
                 t = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm) + chain
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
@@ -188,13 +194,16 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
         hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)
         prepare = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
         for L in segment_chunks:
-            if 2 * L > chunks:  # a sequence needs two segments at least
+            if 2 * L > longest_chunks:  # the longest sequence needs two segments at least
                 continue
-            segments = math.ceil(chunks / L) * num_seqs
+            # with a known longest sequence: it and the rest's mean (an upper bound of the segment count)
+            rest = (tokens / 64 - longest_chunks) / max(1, num_seqs - 1) if longest else chunks
+            segments = (math.ceil(longest_chunks / L) + (num_seqs - 1) * math.ceil(rest / L) if longest
+                        else math.ceil(chunks / L) * num_seqs)
             bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
             rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
             pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
-            features = (rounds * L, rounds, pre_rounds, math.ceil(chunks / L))
+            features = (rounds * L, rounds, pre_rounds, math.ceil(longest_chunks / L))
             t = prepare + sum(a * b for a, b in zip(CP_FIT_US, features))
             plans.append(ForwardPlan("cp", None, None, L, t))
     if not plans:

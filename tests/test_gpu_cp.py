@@ -67,7 +67,7 @@ def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypat
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     x = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
     problem = flash_qla.validation.validate_inputs(q, k, v, g, beta, None, h0, cu)
-    planned = fwd._forward_plan(problem, "bf16", q.device, False, False).segment_chunks
+    planned = fwd.forward_plan(problem, "bf16", q.device, False, False).segment_chunks
     assert planned is not None
     monkeypatch.setattr(settings, "force_segment_chunks", 0)  # the plain path, for comparison
     o_plain, ht_plain = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
@@ -80,7 +80,7 @@ def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypat
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert fwd._forward_plan(problem, "bf16", q.device, False, False).segment_chunks == planned
+        assert fwd.forward_plan(problem, "bf16", q.device, False, False).segment_chunks == planned
         o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     graph.replay()
     torch.cuda.synchronize()

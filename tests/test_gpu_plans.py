@@ -87,3 +87,29 @@ def test_fast_lane_matches_the_full_path(path, beta_dtype):
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (path, h0 is None)
             stats = plans.stats()
             assert stats.get("recorded") == 1 and stats.get("replayed") == 2, stats
+
+
+PINS = {"fused": lambda p: dict(use_fused=True, force_block_v=p.block_v, force_segment_chunks=0),
+        "split": lambda p: dict(use_fused=False, force_block_v=p.block_v, force_heads_per_cta=p.heads_per_cta,
+                                force_segment_chunks=0),
+        "cp": lambda p: dict(force_segment_chunks=p.segment_chunks)}
+
+
+@pytest.mark.parametrize("lengths,hq,hv", [([7168, 1024], 16, 64), ([6144, 512, 512], 2, 8), ([7168, 1024], 16, 32)])
+def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
+    """With cu_seqlens_cpu the forward is planned from the longest sequence (planner.plan_forward): the call runs that
+    plan (bit-identical to the call pinned to it) and the plan differs from the equal-length one where the model
+    says so."""
+    from flash_qla import forward as fwd
+    from flash_qla.validation import validate_inputs
+    x = draw(lengths, hq, hv, 128, 128, torch.bfloat16, seed=8)
+    cu_cpu = x["cu_seqlens"].cpu()
+    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
+    with_lengths = fwd.forward_plan(problem, "bf16", x["q"].device, False, False, max(lengths))
+    equal = fwd.forward_plan(problem, "bf16", x["q"].device, False, False)
+    assert with_lengths[:4] != equal[:4], (with_lengths, equal)
+    with torch.no_grad():
+        got = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu)
+        with override(**PINS[with_lengths.path](with_lengths)):
+            want = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

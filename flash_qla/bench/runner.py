@@ -44,7 +44,8 @@ def base_record(row: BenchRow, device: torch.device, backend: str) -> dict:
     return dict(lib=LIB_NAME, version=flash_qla.__version__, device=device_name(device), pass_=row.pass_,
                 model=row.model, hq=row.hq, hv=row.hv, seqs=row.label, eager_ms=None, graph_ms=None,
                 first_call_s=None, tokens=row.tokens, num_seqs=len(row.seqlens), head_dim=row.head_dim,
-                backend=backend, torch=torch.__version__)
+                backend=backend, torch=torch.__version__,
+                host_lengths=row.pass_ == "fwd")  # the forward gets cu_seqlens_cpu (workloads.forward_call)
 
 
 def measure_row(row: BenchRow, device: torch.device, backend: str, warmup: Optional[int], iters: Optional[int],

@@ -16,12 +16,16 @@ from .matrix import BenchRow, iter_rows, load_matrix
 
 
 def forward_call(x: BenchInputs, backend: str) -> Callable[[], object]:
-    """The user-facing forward, as an inference caller runs it (no autograd bookkeeping)."""
+    """The user-facing forward, as an inference caller runs it (no autograd bookkeeping), with the host copy of the
+    offsets (FLA's cu_seqlens_cpu keyword, which the caller that built the batch has): the forward is then planned from
+    the longest sequence instead of equal lengths (planner.plan_forward)."""
+    cu_cpu = x.cu_seqlens.cpu()
+
     def run():
         with torch.no_grad():
             return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
                                                     output_final_state=True, cu_seqlens=x.cu_seqlens,
-                                                    backend=backend)
+                                                    cu_seqlens_cpu=cu_cpu, backend=backend)
     return run
 
 
