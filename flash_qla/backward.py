@@ -23,7 +23,8 @@ import torch
 
 from . import forward as fwd
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
-from .launch import CHUNK, current_stream, dense, empty, join, launch, num_sms, packed, side_stream
+from .launch import CHUNK, DTYPE_TAG, current_stream, dense, empty, join, launch, num_sms, packed, side_stream
+from .states import PLAIN_IO, V_FIRST, StateIO
 from .tuning import settings
 from .validation import Problem, validate_inputs
 
@@ -31,12 +32,13 @@ DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
-             g_is_cumsum: bool = False):
+             g_is_cumsum: bool = False, v_first: bool = False):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
     dtypes (dg and dbeta float32; flash_qla/kernel_api.py converts). dg is with respect to the raw g; dh0 is None without an
     initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
     when the caller kept it (FlashQLA's low-level API), read instead of solved again; g_is_cumsum: g is the chunk-local
-    cumsum (that API's form; dg is still with respect to the raw g)."""
+    cumsum (that API's form; dg is still with respect to the raw g). v_first: initial_state, dht and the returned dh0
+    are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP)."""
     dt = q.dtype
     saved: dict = {}
     # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
@@ -64,11 +66,12 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
 
         fwd.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
                     want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A,
-                    g_is_cumsum=g_is_cumsum, after_cp_tables=start_reverse_pre_pass)
+                    g_is_cumsum=g_is_cumsum, after_cp_tables=start_reverse_pre_pass,
+                    state_io=StateIO(v_first=True) if v_first else PLAIN_IO)
         if "stream" in early:
             join(main, early["stream"])
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
-                                              early.get("ds_out"))
+                                              early.get("ds_out"), v_first)
         if side is not None:
             join(main, side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (dense(q), dense(k)) if use_qk_l2norm else None
@@ -93,17 +96,18 @@ def _dh_cp_pre_pass(problem: Problem, saved: dict, seg, rend, rfallback, do_p, d
     current stream: [S, Hv, K, V] fp32, the gradient of the state leaving each segment."""
     pointers = dict(_dh_pointers(saved, do_p, dht_c, saved["agb"]), cu_seqlens=seg.cu.data_ptr(),
                     chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(), rfallback=rfallback.data_ptr())
-    sizes = dict(saved["sizes"], use_dht=0, store_dh0=1, ordered=0)
+    sizes = dict(saved["sizes"], use_dht=0, store_dh0=1, ordered=0, state_mode=0)
     return fwd.cp_pre_pass_and_combine(DH_KERNEL, problem, saved["tag"], seg, rfallback, sizes, pointers, "dh0", dht_c,
                                        True, current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans")
 
 
 def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bool,
-                        ds_out: Optional[torch.Tensor] = None):
+                        ds_out: Optional[torch.Tensor] = None, v_first: bool = False):
     """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype, dht_c the
     final-state gradient (fp32, contiguous) or None. When the recompute ran intra-card CP, so does this chain
     (reverse warm-ups, exact transposed transitions, a reverse combine; flash_qla/cp.py), over the same segments:
-    ds_out is that pre-pass's result when the caller already launched it (_dh_cp_pre_pass), else it runs here."""
+    ds_out is that pre-pass's result when the caller already launched it (_dh_cp_pre_pass), else it runs here.
+    v_first: dht and dh0 are [N, Hv, V, K] (no CP: the recompute refused V-first h0 with it)."""
     dev = do_p.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
@@ -113,7 +117,8 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     dhs = fwd.chunk_slot_states(saved["TC"] // CHUNK, problem, dev, dt)
     tag = saved["tag"]
     pointers = dict(_dh_pointers(saved, do_p, dht_c, dhs), x=x.data_ptr(), dv=dv.data_ptr())
-    sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0), ordered=1)
+    sizes = dict(saved["sizes"], use_dht=int(dht_c is not None), store_dh0=int(want_dh0), ordered=1,
+                 state_mode=V_FIRST if v_first else 0)
     chains, seg = None, None
     if "cp" in saved:
         seg, rend, rfallback = saved["cp"]
@@ -121,9 +126,10 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
             ds_out = _dh_cp_pre_pass(problem, saved, seg, rend, rfallback, do_p, dht_c)
         # the segments run as sequences from the gradient of the state leaving each
         pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), dht=ds_out.data_ptr())
-        sizes.update(N=seg.count, use_dht=1, ordered=0)  # equal segments: dispatched in index order
+        sizes.update(N=seg.count, use_dht=1, ordered=0, state_mode=0)  # equal segments: in index order
         chains = seg.count
-    dh0 = (empty(chains or N, Hv, K, V, device=dev, dtype=torch.float32, output=None if chains else "dh0")
+    inner = (V, K) if v_first else (K, V)
+    dh0 = (empty(chains or N, Hv, *inner, device=dev, dtype=torch.float32, output=None if chains else "dh0")
            if want_dh0 else None)
     if dh0 is not None:
         pointers.update(dh0=dh0.data_ptr())
@@ -132,6 +138,12 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
         dh0 = fwd.SegmentStates(dh0, seg.base[:N], seg.last, dht_c, seg.count)
     return dv, x, dhs, dh0
+
+
+def native_v_first(problem: Problem, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether backward(v_first=True) runs: the recompute plans no intra-card CP (whose combine and per-segment
+    states work in [.., K, V]); else the caller transposes h0 / dht / dh0 around the call."""
+    return fwd._recompute_segment_chunks(problem, DTYPE_TAG[dtype], device) is None
 
 
 def chunk_stage_inputs(q, k, v, g, beta, initial_state, cu_seqlens, do, dht):

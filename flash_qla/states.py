@@ -12,17 +12,52 @@ synchronisation, no boolean indexing, so a call stays capturable in a CUDA graph
   written back into their slots with ``inplace_update=True`` (SGLang's spelling) or into ``output_state`` (FlashInfer's,
   ``output_state is initial_state`` for in place); padding entries write nothing.
 
-NOT YET NATIVE IN THE KERNELS: the V-first transposes, the pool gather (index_select) and the slot write-back
-(index_copy_) run here as separate torch passes over the states; the kernels are to read / write those addresses
-themselves (per-sequence slot index, per-layout strides), which removes these copies.
+In the kernels: a plain forward (every path but intra-card CP) reads and writes the caller's states as they are:
+the V-first layout, pool rows through the index table (negative: zero state, nothing written), the final states
+into the pool or output_state in place (:class:`StateIO`, flash_qla/forward.py native_state_io), and the backward
+reads h0 / dht and writes dh0 V-first. Where the kernels cannot (an intra-card CP plan, half-precision or
+non-contiguous states, autograd through a pool), :func:`initial_states` and :func:`finish` do it here with torch:
+the V-first transposes, the pool gather (index_select) and the slot write-back (index_copy_).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from .validation import Problem
+
+# the kernels' state_mode bits (aot/kernels/state_io.py; a CPU test compares the two)
+V_FIRST = 1        # the caller's states are [.., Hv, V, K]
+READ_INDEXED = 2   # sequence n's initial state is row index[n] of a pool (negative: zero state)
+WRITE_INDEXED = 4  # sequence n's final state goes to row index[n] (negative: nothing is written)
+
+
+@dataclass(frozen=True)
+class StateIO:
+    """What a plain forward's kernels do with the caller's states (flash_qla/forward.py): read the initial state in
+    the caller's layout (V-first or not) from its rows, or from pool rows ``index[n]`` (``pool_read``); store the
+    final states into ``write`` (rows ``index[n]`` of a pool with ``index``, else [N, ...]) or, without it, into a
+    new [N, ...] tensor in the caller's layout. ``index``: int32 [N] on the device, negative entries pad."""
+    v_first: bool = False
+    index: Optional[torch.Tensor] = None
+    pool_read: bool = False
+    write: Optional[torch.Tensor] = None
+
+    @property
+    def mode(self) -> int:
+        """The kernels' state_mode."""
+        indexed = self.index is not None
+        return ((V_FIRST if self.v_first else 0) | (READ_INDEXED if indexed and self.pool_read else 0)
+                | (WRITE_INDEXED if indexed and self.write is not None else 0))
+
+    def index_ptr(self, stand_in: torch.Tensor) -> int:
+        """The index table's address, or stand_in's (the kernels read the table only under an indexed mode)."""
+        return (self.index if self.index is not None else stand_in).data_ptr()
+
+
+PLAIN_IO = StateIO()
 
 def _layout(v_first: bool, first: str) -> str:
     return f"[{first}, Hv, V, K]" if v_first else f"[{first}, Hv, K, V]"

@@ -9,13 +9,16 @@ eager time (flash_qla.bench.timing: the peers' do_bench rules, cold L2):
                   (SGLang's spelling): the call reads and writes the slots itself.
   pool_v_first    pool, with a [S, Hv, V, K] pool and state_v_first=True.
 With --backward, k_first and v_first are also timed forward + backward (gradients on every input and the state).
+--level api (default) times flash_qla.chunk_gated_delta_rule; --level kernels times flash_qla.forward.forward /
+backward.backward on prepared inputs with the kernels' own state I/O (forward(state_io=...)), i.e. what the API runs
+once its plan is recorded, without the API's host path; gather_scatter is then torch's gather + forward + scatter.
 Each row states the state bytes the mode moves through memory (a state read or written once is 4 K V bytes per
 (sequence, head)); the comparison block gives V-first's cost over K-first and what the pool saves against gather +
 scatter, in time and bytes, with the bandwidth that saving implies next to a plain device copy's.
 
 usage (GPU machine, repository root):
   python scripts/state_io_bench.py --out bench/results/h100/state_io.json [--cases 256x8,8x2048] [--hq 16 --hv 32]
-      [--backward] [--commit SHA]
+      [--backward] [--level api|kernels] [--commit SHA]
 Writes {"device", "commit", "torch", "rows": [...], "comparisons": [...]}.
 """
 from __future__ import annotations
@@ -85,6 +88,50 @@ def forward_call(mode: str, x: dict):
     return run
 
 
+def kernel_forward_call(mode: str, x: dict):
+    """forward_call at the kernels' level: flash_qla.forward.forward with the kernels' state I/O."""
+    from flash_qla import forward as fwd
+    from flash_qla.states import StateIO
+    from flash_qla.validation import validate_inputs
+    q, k, v, g, beta, cu, idx = (x[n] for n in ("q", "k", "v", "g", "beta", "cu", "idx"))
+    problem = validate_inputs(q, k, v, g, beta, None, None, cu)
+    rows = idx.long()
+
+    def call(h0, final, io=StateIO()):
+        return fwd.forward(problem, q, k, v, g, beta, h0, final, cu, False, state_io=io)
+    if mode in ("k_first", "v_first"):
+        h0 = x["pool"].index_select(0, rows)
+        if mode == "v_first":
+            h0 = h0.transpose(-1, -2).contiguous()
+        io = StateIO(v_first=mode == "v_first")
+        return lambda: call(h0, True, io)[0]
+    if mode == "gather_scatter":
+        pool = x["pool"]
+
+        def run():
+            o, ht, _, _ = call(pool[rows], True)
+            pool[rows] = ht
+            return o
+        return run
+    pool = x["pool"] if mode == "pool" else x["pool"].transpose(-1, -2).contiguous()
+    io = StateIO(v_first=mode != "pool", index=idx, pool_read=True, write=pool)
+    return lambda: call(pool, False, io)[0]
+
+
+def kernel_backward_call(mode: str, x: dict):
+    """backward_call at the kernels' level: flash_qla.backward.backward (v_first reads h0 / dht and writes dh0
+    V-first)."""
+    from flash_qla import backward as bwd
+    from flash_qla.validation import validate_inputs
+    q, k, v, g, beta, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "cu"))
+    problem = validate_inputs(q, k, v, g, beta, None, None, cu)
+    h0 = x["pool"].index_select(0, x["idx"].long())
+    if mode == "v_first":
+        h0 = h0.transpose(-1, -2).contiguous()
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+    return lambda: bwd.backward(problem, q, k, v, g, beta, h0, cu, False, do, dht, v_first=mode == "v_first")
+
+
 def backward_call(mode: str, x: dict):
     """Forward + backward with gradients on q, k, v, g, beta and the initial state."""
     h0 = x["pool"].index_select(0, x["idx"].long())
@@ -126,6 +173,7 @@ def main() -> None:
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--backward", action="store_true")
+    p.add_argument("--level", choices=("api", "kernels"), default="api")
     p.add_argument("--commit", default=None, help="the commit these kernels are from (label only)")
     args = p.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -138,33 +186,39 @@ def main() -> None:
         for mode in args.modes.split(","):
             x = make_inputs(seqs, tokens, args.hq, args.hv, args.K, args.V)
             with torch.no_grad():
-                r = time_call(forward_call(mode, x), dev)
-            r.update(case=case, seqs=seqs, tokens=tokens, hq=args.hq, hv=args.hv, K=args.K, V=args.V,
-                     pass_="fwd", mode=mode, state_bytes_moved=STATE_MOVES[mode] * state_bytes)
+                r = time_call((kernel_forward_call if args.level == "kernels" else forward_call)(mode, x), dev)
+            r.update(level=args.level, case=case, seqs=seqs, tokens=tokens, hq=args.hq, hv=args.hv, K=args.K,
+                     V=args.V, pass_="fwd", mode=mode, state_bytes_moved=STATE_MOVES[mode] * state_bytes)
             rows.append(r)
             got[("fwd", mode)] = r
             print(json.dumps(r), flush=True)
         if args.backward:
+            bpass = "bwd" if args.level == "kernels" else "fwd+bwd"  # backward.backward alone at the kernels' level
             for mode in ("k_first", "v_first"):
                 x = make_inputs(seqs, tokens, args.hq, args.hv, args.K, args.V)
-                r = time_call(backward_call(mode, x), dev)
-                r.update(case=case, seqs=seqs, tokens=tokens, hq=args.hq, hv=args.hv, K=args.K, V=args.V,
-                         pass_="fwd+bwd", mode=mode)
+                if args.level == "kernels":
+                    with torch.no_grad():
+                        r = time_call(kernel_backward_call(mode, x), dev)
+                else:
+                    r = time_call(backward_call(mode, x), dev)
+                r.update(level=args.level, case=case, seqs=seqs, tokens=tokens, hq=args.hq, hv=args.hv, K=args.K,
+                         V=args.V, pass_=bpass, mode=mode)
                 rows.append(r)
-                got[("fwd+bwd", mode)] = r
+                got[(bpass, mode)] = r
                 print(json.dumps(r), flush=True)
         bw = copy_bandwidth(state_bytes, dev)
-        for pass_ in ("fwd", "fwd+bwd"):
+        for pass_ in ("fwd", "fwd+bwd", "bwd"):
             a, b = got.get((pass_, "k_first")), got.get((pass_, "v_first"))
             if a and b:
-                comparisons.append({"case": case, "pass": pass_, "what": "v_first over k_first",
+                comparisons.append({"level": args.level, "case": case, "pass": pass_, "what": "v_first over k_first",
                                     "graph_ratio": b["graph_ms"] / a["graph_ms"] if a["graph_ms"] else None,
                                     "eager_ratio": b["eager_ms"] / a["eager_ms"]})
         gs, pool = got.get(("fwd", "gather_scatter")), got.get(("fwd", "pool"))
         if gs and pool and gs["graph_ms"] and pool["graph_ms"]:
             saved = gs["state_bytes_moved"] - pool["state_bytes_moved"]
             dt = (gs["graph_ms"] - pool["graph_ms"]) * 1e-3
-            comparisons.append({"case": case, "pass": "fwd", "what": "pool against gather + call + scatter",
+            comparisons.append({"level": args.level, "case": case, "pass": "fwd",
+                                "what": "pool against gather + call + scatter",
                                 "graph_ms_saved": gs["graph_ms"] - pool["graph_ms"],
                                 "eager_ms_saved": gs["eager_ms"] - pool["eager_ms"], "bytes_saved": saved,
                                 "implied_GBps": saved / dt / 1e9 if dt > 0 else None,

@@ -17,11 +17,14 @@ gradients): "state" walks the range [cu_seqlens[n + 1], rend[n, h]) (the start o
 from dS = 0 and stores the dS it ends with (the gate-bounded warm-up of the gradient leaving segment n);
 "trans" walks the same range (all of the next segment, fallback heads only) with dO = 0 from dS = I (V = K):
 the range's transposed transition M^T, the adjoint of the forward's "trans" M.
+In the chain build dht and dh0 are [N, Hv, K, V], or the caller's V-first [N, Hv, V, K] with state_mode & V_FIRST
+(aot/kernels/state_io.py): read and written in place, no transposed copies (CP's per-segment ones stay [.., K, V]).
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .producer_warp import register as single_warp_producer
+from .state_io import V_FIRST
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
@@ -65,13 +68,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
         p: T.Tensor((NT, Hv, C), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
-        dht: T.Tensor((N, Hv, K, V), "float32"),
+        dht: T.Tensor((N, Hv, K * V), "float32"),  # a state's floats flat: [K, V], or [V, K] (V_FIRST)
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         dhs: T.Tensor((TC // C, Hv, K, V), dt),
         x: T.Tensor((NT, Hv, V), dt),
         dv: T.Tensor((NT, Hv, V), dt),
-        dh0: T.Tensor((N, Hv, K, V), "float32"),
+        dh0: T.Tensor((N, Hv, K * V), "float32"),
         rend: T.Tensor((N, Hv), "int32"),
         rfallback: T.Tensor((N, Hv), "int32"),
         seq_order: T.Tensor((N,), "int32"),
@@ -79,6 +82,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
         use_dht: T.int32,
         store_dh0: T.int32,
         ordered: T.int32,
+        state_mode: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, nz):
             if BV == 32:
@@ -132,10 +136,14 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
             if trans:  # the block's columns of the identity
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
-            elif use_dht != 0:
-                T.copy(dht[n, h, :, v0:v0 + BV], dS)
-            else:
+            elif use_dht == 0:
                 T.clear(dS)
+            elif (state_mode & V_FIRST) != 0:
+                for kk, d in T.Parallel(K, BV):
+                    dS[kk, d] = dht[n, h, (v0 + d) * K + kk]
+            else:
+                for kk, d in T.Parallel(K, BV):
+                    dS[kk, d] = dht[n, h, kk * V + v0 + d]
             for r in T.Pipelined(nc, num_stages=STAGES):
                 c = nc - 1 - r
                 t0 = bos + c * C
@@ -226,7 +234,12 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         x_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
             if chain:
                 T.tma_store_wait()  # the last chunk's stores have read their tiles before the CTA exits
-            if store_dh0 != 0 or not chain:
-                T.copy(dS, dh0[n, h, :, v0:v0 + BV])
+            if chain and (state_mode & V_FIRST) != 0:
+                if store_dh0 != 0:
+                    for kk, d in T.Parallel(K, BV):
+                        dh0[n, h, (v0 + d) * K + kk] = dS[kk, d]
+            elif store_dh0 != 0 or not chain:
+                for kk, d in T.Parallel(K, BV):
+                    dh0[n, h, kk * V + v0 + d] = dS[kk, d]
 
     return gdn_bwd_dh

@@ -15,11 +15,14 @@ outputs are not stored. eg_last is the last valid row's.
 Builds (the mode axis): save, the backward's recompute pass: stores, exactly as the chain used them
 (bf16/fp16), every chunk's entering state hs [chunk slot, Hv, K, V], W and Vnew [T, Hv, V]. (The CP
 pre-pass builds moved to gdn_fwd_chain, whose transposed-state chain is faster.)
+h0 is [N, Hv, K, V], or the caller's V-first [N, Hv, V, K] with state_mode & V_FIRST (aot/kernels/state_io.py): read
+in place, no transposed copy.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .producer_warp import register as single_warp_producer
+from .state_io import V_FIRST
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
@@ -66,7 +69,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
         agb: T.Tensor((NT, Hv, C), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
-        h0: T.Tensor((N, Hv, K, V), "float32"),
+        h0: T.Tensor((N, Hv, K * V), "float32"),  # a state's floats flat: [K, V], or [V, K] (V_FIRST)
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         ht: T.Tensor((N, Hv, K, V), "float32"),
@@ -77,6 +80,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
         use_h0: T.int32,
         store_ht: T.int32,
         ordered: T.int32,
+        state_mode: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, nz):
             k_s = T.alloc_shared((C, K), dt)
@@ -108,10 +112,14 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
-            if use_h0 != 0:
-                T.copy(h0[n, h, :, v0:v0 + BV], S)
-            else:
+            if use_h0 == 0:
                 T.clear(S)
+            elif (state_mode & V_FIRST) != 0:
+                for kk, d in T.Parallel(K, BV):
+                    S[kk, d] = h0[n, h, (v0 + d) * K + kk]
+            else:
+                for kk, d in T.Parallel(K, BV):
+                    S[kk, d] = h0[n, h, kk * V + v0 + d]
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=STAGES[BV]):
                 t0 = bos + c * C
                 par = c % WBUFS[BV]

@@ -16,6 +16,11 @@ Measured on the H200 (TP1 4096x8, forward-kernel time): ~0.80 ms at BV = 128 vs 
 shared-memory-staged out build at its best block; one chain's chunk ~2.5 us (BV = 64) / ~3.1 us (BV = 128).
 Rows past the sequence end: et = 0 there and Agb / P are causal, so they reach no valid row; they are not
 stored. eg_last is the last valid row's.
+State I/O (mode "out"): h0 and ht are [N, Hv, K, V], or [N, Hv, V, K] with state_mode & V_FIRST (FLA's and FlashInfer's
+layout); with state_mode & READ_INDEXED sequence n starts from h0[state_idx[n]] (a state pool; a negative slot starts
+from zero) and with WRITE_INDEXED its final state goes to ht[state_idx[n]] (nothing for a negative slot): serving
+engines' pools are read and written in place, with no gather or scatter around the call. S^T's accumulator layout
+meets both layouts in full 32-byte sectors (a quad's two-column pairs; a warp's eight rows).
 CP pre-pass builds (no q, P or output): "state" runs the state-only chain from S = 0 over the chunk range that
 ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-driven warm-up), into ht[n];
 "trans" the same range with V = 0 and S = I (V = K), the range's exact transition M, for the heads whose
@@ -24,6 +29,7 @@ decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk)
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
+from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 from .producer_warp import register as single_warp_producer
 
 C = 64
@@ -56,6 +62,8 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
     TC = T.dynamic("TC")
+    H0R = T.dynamic("h0_rows")  # h0's rows: N, or the pool's slots (a slot past them reads as zero)
+    HTR = T.dynamic("ht_rows")  # ht's rows: N, or the pool's slots (a slot past them is not written)
 
     @T.macro
     def take_turn(wg, first):
@@ -89,16 +97,20 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
         p: T.Tensor((NT, Hv, C), dt),
         eg_t: T.Tensor((Hv, TC), "float32"),
         et_t: T.Tensor((Hv, TC), "float32"),
-        h0: T.Tensor((N, Hv, K, V), "float32"),
+        # a state's K x V floats flat: [K, V] or, with state_mode & V_FIRST, [V, K]; rows are sequences, or pool
+        # slots through state_idx
+        h0: T.Tensor((H0R, Hv, K * V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         o: T.Tensor((NT, Hv, V), dt),
-        ht: T.Tensor((N, Hv, K, V), "float32"),
+        ht: T.Tensor((HTR, Hv, K * V), "float32"),
         start: T.Tensor((N, Hv), "int32"),
         fallback: T.Tensor((N, Hv), "int32"),
+        state_idx: T.Tensor((N,), "int32"),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
+        state_mode: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
             if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
@@ -130,6 +142,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             slot0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
+            row = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot
             if cp:  # compile time: the chain ends where segment n begins, chunk aligned
                 eos = cu_seqlens[n]
                 bos = start[n, h]
@@ -150,8 +163,15 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
             elif use_h0 != 0:
-                for d, kk in T.Parallel(BV, K):
-                    st[d, kk] = h0[n, h, kk, v0 + d]
+                row = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
+                if row < 0:  # a padding entry of the pool's index table: zero state
+                    T.clear(st)
+                elif (state_mode & V_FIRST) != 0:
+                    for d, kk in T.Parallel(BV, K):
+                        st[d, kk] = h0[row, h, (v0 + d) * K + kk]
+                else:
+                    for d, kk in T.Parallel(BV, K):
+                        st[d, kk] = h0[row, h, kk * V + v0 + d]
             else:
                 T.clear(st)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=stages):
@@ -235,8 +255,17 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
             if output:
                 drain_turns(wg, T.ceildiv(eos - bos, C))
-            if store_ht != 0 or cp:
+            if cp:  # the pre-pass's per-segment results: internal, [S, Hv, K, V]
                 for d, kk in T.Parallel(BV, K):
-                    ht[n, h, kk, v0 + d] = st[d, kk]
+                    ht[n, h, kk * V + v0 + d] = st[d, kk]
+            elif store_ht != 0:
+                row = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
+                if row >= 0:  # a padding entry writes nothing
+                    if (state_mode & V_FIRST) != 0:
+                        for d, kk in T.Parallel(BV, K):
+                            ht[row, h, (v0 + d) * K + kk] = st[d, kk]
+                    else:
+                        for d, kk in T.Parallel(BV, K):
+                            ht[row, h, kk * V + v0 + d] = st[d, kk]
 
     return gdn_fwd_chain

@@ -19,12 +19,15 @@ written), empty[s] (consumers -> producer: the stage may be refilled). The aux w
 full[s], which the producer signals only after empty[s]: the consumers are done with that stage's previous chunk.
 Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last value), so every product stays
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
+State I/O as gdn_fwd_chain's out build: [.., K, V] or V-first states, read from / written to a pool's rows through
+state_idx (state_mode, aot/kernels/state_io.py).
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS
+from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 
 C = 64
 # BV = 128 (two consumer warpgroups) took 4.5 us a chunk while the state copy lived in registers (the aux got 72 and
@@ -64,6 +67,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
     N = T.dynamic("N")
+    H0R = T.dynamic("h0_rows")  # h0's rows: N, or the pool's slots (a slot past them reads as zero)
+    HTR = T.dynamic("ht_rows")  # ht's rows: N, or the pool's slots (a slot past them is not written)
 
     @T.prim_func
     def gdn_fwd_fused(
@@ -72,13 +77,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         v: T.Tensor((NT, Hv, V), dt),
         g: T.Tensor((NT, Hv), "float32"),
         beta: T.Tensor((NT, Hv), "float32"),
-        h0: T.Tensor((N, Hv, K, V), "float32"),
+        # a state's K x V floats flat ([K, V], or [V, K] with state_mode & V_FIRST); rows: sequences or pool slots
+        h0: T.Tensor((H0R, Hv, K * V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         o: T.Tensor((NT, Hv, V), dt),
-        ht: T.Tensor((N, Hv, K, V), "float32"),
+        ht: T.Tensor((HTR, Hv, K * V), "float32"),
+        state_idx: T.Tensor((N,), "int32"),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
+        state_mode: T.int32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
             q_s = T.alloc_shared((stages, C, K), dt)
@@ -250,11 +258,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 vnt_b = T.alloc_fragment((BV, C), dt)
                 vdt_b = T.alloc_fragment((BV, C), dt)
                 egl = T.alloc_local((1,), "float32")
-                if use_h0 != 0:
-                    for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = h0[n, h, kk_, v0 + d]
-                else:
+                row = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot (negative: none)
+                row = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
+                if use_h0 == 0 or row < 0:
                     T.clear(st)
+                elif (state_mode & V_FIRST) != 0:
+                    for d, kk_ in T.Parallel(BV, K):
+                        st[d, kk_] = h0[row, h, (v0 + d) * K + kk_]
+                else:
+                    for d, kk_ in T.Parallel(BV, K):
+                        st[d, kk_] = h0[row, h, kk_ * V + v0 + d]
                 for c in T.serial(chunks):
                     s = c % stages
                     t0 = bos + c * C
@@ -309,8 +322,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         if row < valid:
                             for u in T.vectorized(8):
                                 o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
-                if store_ht != 0:
-                    for d, kk_ in T.Parallel(BV, K):
-                        ht[n, h, kk_, v0 + d] = st[d, kk_]
+                row = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
+                if store_ht != 0 and row >= 0:
+                    if (state_mode & V_FIRST) != 0:
+                        for d, kk_ in T.Parallel(BV, K):
+                            ht[row, h, (v0 + d) * K + kk_] = st[d, kk_]
+                    else:
+                        for d, kk_ in T.Parallel(BV, K):
+                            ht[row, h, kk_ * V + v0 + d] = st[d, kk_]
 
     return gdn_fwd_fused

@@ -1,0 +1,141 @@
+"""The kernels' state I/O, on the CPU: what forward.forward / backward.backward pass the kernels that read initial
+states and write final states (state_mode, state_idx, the rows of h0 / ht) for each StateIO, every launch checked
+against its cubin's parameter list in the manifest (a missing size or pointer is the error a GPU would give). The
+GPU tests (tests/test_gpu_states.py) check what the kernels then compute."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_qla import backward as bwd
+from flash_qla import forward as fwd
+from flash_qla import loader, manifest, states
+from flash_qla.tuning import settings
+from flash_qla.validation import validate_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_KERNELS = {"gdn_fwd_fused", "gdn_fwd_chain", "gdn_bwd_recompute", "gdn_bwd_dh"}
+
+
+def test_state_mode_bits_match_the_kernels():
+    tree = ast.parse((ROOT / "aot" / "kernels" / "state_io.py").read_text())
+    kernel_side = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   for t in n.targets}
+    assert kernel_side == {"V_FIRST": states.V_FIRST, "READ_INDEXED": states.READ_INDEXED,
+                           "WRITE_INDEXED": states.WRITE_INDEXED}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of the forward / backward on CPU tensors, its arguments built by the manifest's rules."""
+    seen = []
+    builders = {}
+
+    def record(name, variant, device, sizes, pointers, stream=None):
+        kernel = loader.library().kernel(name, **variant)
+        if kernel.key not in builders:
+            builders[kernel.key] = manifest.compile_arg_builder(kernel.entry)
+        builders[kernel.key](sizes, pointers)  # KeyError naming a missing size or pointer
+        seen.append((name, dict(variant), dict(sizes), dict(pointers)))
+
+    for mod in (fwd, bwd):
+        monkeypatch.setattr(mod, "launch", record)
+        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
+    monkeypatch.setattr(fwd, "num_sms", lambda device: 132)
+    monkeypatch.setattr(bwd, "num_sms", lambda device: 132)
+    monkeypatch.setattr(fwd, "join", lambda a, b: None)
+    monkeypatch.setattr(bwd, "join", lambda a, b: None)
+    monkeypatch.setattr(settings, "save_chain_beside_dh", False)  # no side stream
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return seen
+
+
+def inputs(N=4, tokens=8, hq=2, hv=4, K=128, V=128):
+    T = N * tokens
+    bf16 = torch.bfloat16
+    x = dict(q=torch.randn(1, T, hq, K).to(bf16), k=torch.randn(1, T, hq, K).to(bf16),
+             v=torch.randn(1, T, hv, V).to(bf16), g=-torch.rand(1, T, hv), beta=torch.rand(1, T, hv),
+             cu=torch.arange(0, T + 1, tokens, dtype=torch.int32))
+    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, x["cu"])
+    return problem, x
+
+
+def run_forward(problem, x, h0, output_final_state, io):
+    return fwd.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], h0, output_final_state, x["cu"], False,
+                       state_io=io)
+
+
+def state_launches(seen):
+    return [(n, s, p) for n, v, s, p in seen if n in STATE_KERNELS]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_v_first_dense_states(launches, monkeypatch, fused):
+    monkeypatch.setattr(settings, "use_fused", fused)
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
+    problem, x = inputs()
+    h0 = torch.randn(4, 4, 128, 128)  # [N, Hv, V, K]
+    o, ht, _, _ = run_forward(problem, x, h0, True, states.StateIO(v_first=True))
+    assert tuple(ht.shape) == (4, 4, 128, 128) and ht.dtype == torch.float32
+    (name, sizes, ptrs), = state_launches(launches)
+    assert name == ("gdn_fwd_fused" if fused else "gdn_fwd_chain")
+    assert sizes["state_mode"] == states.V_FIRST and sizes["use_h0"] == 1 and sizes["store_ht"] == 1
+    assert (sizes["h0_rows"], sizes["ht_rows"]) == (4, 4)
+    assert ptrs["h0"] == h0.data_ptr() and ptrs["ht"] == ht.data_ptr()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_pool_read_and_written_in_place_through_the_index(launches, monkeypatch, fused):
+    monkeypatch.setattr(settings, "use_fused", fused)
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
+    problem, x = inputs()
+    pool = torch.randn(11, 4, 128, 128)
+    idx = torch.tensor([3, -1, 10, 0], dtype=torch.int32)
+    io = states.StateIO(v_first=True, index=idx, pool_read=True, write=pool)
+    assert io.mode == states.V_FIRST | states.READ_INDEXED | states.WRITE_INDEXED
+    _, ht, _, _ = run_forward(problem, x, pool, False, io)
+    assert ht is pool  # the final states went into the pool's slots
+    (name, sizes, ptrs), = state_launches(launches)
+    assert sizes["state_mode"] == io.mode and sizes["store_ht"] == 1
+    assert (sizes["h0_rows"], sizes["ht_rows"]) == (11, 11)
+    assert ptrs["state_idx"] == idx.data_ptr() and ptrs["h0"] == pool.data_ptr() and ptrs["ht"] == pool.data_ptr()
+
+
+def test_pool_read_with_no_final_state_stores_nothing(launches, monkeypatch):
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
+    problem, x = inputs()
+    pool = torch.randn(6, 4, 128, 128)
+    idx = torch.tensor([5, 4, -1, 1], dtype=torch.int32)
+    _, ht, _, _ = run_forward(problem, x, pool, False, states.StateIO(index=idx, pool_read=True))
+    assert ht.numel() == 0
+    (_, sizes, ptrs), = state_launches(launches)
+    assert sizes["state_mode"] == states.READ_INDEXED and sizes["store_ht"] == 0 and sizes["h0_rows"] == 6
+
+
+def test_intra_card_cp_refuses_the_callers_layout(launches, monkeypatch):
+    """CP's combine and per-segment states work in [.., K, V]: the caller converts around a CP call
+    (native_state_io says so), and a forward asked otherwise stops before launching anything."""
+    monkeypatch.setattr(settings, "force_segment_chunks", 1)
+    problem, x = inputs(N=2, tokens=200)
+    assert not fwd.native_state_io(problem, torch.bfloat16, torch.device("cpu"), False)
+    assert not bwd.native_v_first(problem, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="intra-card CP"):
+        run_forward(problem, x, torch.randn(2, 4, 128, 128), True, states.StateIO(v_first=True))
+    assert not launches
+
+
+def test_backward_reads_and_writes_v_first_states(launches, monkeypatch):
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
+    problem, x = inputs()
+    assert bwd.native_v_first(problem, torch.bfloat16, torch.device("cpu"))
+    h0, dht = torch.randn(4, 4, 128, 128), torch.randn(4, 4, 128, 128)
+    do = torch.randn_like(x["v"])
+    out = bwd.backward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], h0, x["cu"], False, do, dht,
+                       v_first=True)
+    dh0 = out[-1]
+    assert tuple(dh0.shape) == (4, 4, 128, 128)
+    modes = {n: s["state_mode"] for n, s, _ in state_launches(launches)}
+    assert modes == {"gdn_bwd_recompute": states.V_FIRST, "gdn_bwd_dh": states.V_FIRST}
+    dh = next(p for n, s, p in state_launches(launches) if n == "gdn_bwd_dh")
+    assert dh["dht"] == dht.data_ptr() and dh["dh0"] == dh0.data_ptr()
