@@ -115,7 +115,8 @@ def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tens
 def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
-            g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO, plan: Optional[ForwardPlan] = None):
+            g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO,
+            plan: Optional[ForwardPlan] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     ``state_io`` (flash_qla/states.py): the caller's state layout and pool, which the kernels read and write in
