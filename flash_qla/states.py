@@ -161,6 +161,29 @@ def plan(problem: Problem, device: torch.device, initial_state, indices, state_v
                      output_state is not None, output_final_state or write_to is not None, copy_h0)
 
 
+def native_io(p: StatePlan, initial_state: Optional[torch.Tensor], output_final_state: bool,
+              needs_grad: bool) -> Optional[StateIO]:
+    """The StateIO with which the kernels do this call's state reads and writes themselves (flash_qla/forward.py,
+    where native_state_io allows), or None where :func:`initial_states` / :func:`finish` must: a state tensor that is
+    not float32 and contiguous, a pool under autograd (the backward reads the gathered initial states), an initial
+    state both read by autograd and overwritten (copy_h0), or final states wanted both in a pool and as a dense
+    result. int64 indices are taken as an int32 copy (a tiny device op, no sync)."""
+    def plain(t: Optional[torch.Tensor]) -> bool:
+        return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+    if not (plain(initial_state) and plain(p.write_to)) or p.copy_h0:
+        return None
+    if p.indices is not None and needs_grad:
+        return None
+    if p.write_to is not None and output_final_state and not p.return_written:
+        return None
+    index = p.indices
+    if index is not None and index.dtype != torch.int32:
+        index = index.to(torch.int32)
+    if index is not None and not index.is_contiguous():
+        index = index.contiguous()
+    return StateIO(v_first=p.v_first, index=index, pool_read=p.pool is not None, write=p.write_to)
+
+
 def _swap(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
 
@@ -216,4 +239,4 @@ def finish(p: StatePlan, final: Optional[torch.Tensor], output_final_state: bool
     return out if output_final_state else None
 
 
-__all__ = ["StatePlan", "plan", "check_indices", "initial_states", "finish"]
+__all__ = ["StatePlan", "StateIO", "PLAIN_IO", "plan", "check_indices", "native_io", "initial_states", "finish"]

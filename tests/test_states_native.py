@@ -139,3 +139,33 @@ def test_backward_reads_and_writes_v_first_states(launches, monkeypatch):
     assert modes == {"gdn_bwd_recompute": states.V_FIRST, "gdn_bwd_dh": states.V_FIRST}
     dh = next(p for n, s, p in state_launches(launches) if n == "gdn_bwd_dh")
     assert dh["dht"] == dht.data_ptr() and dh["dh0"] == dh0.data_ptr()
+
+
+def _plan(problem, initial_state, indices=None, v_first=False, inplace=False, output_state=None, final=False,
+          grad=False):
+    return states.plan(problem, torch.device("cpu"), initial_state, indices, v_first, inplace, output_state, final,
+                       grad)
+
+
+def test_native_io_covers_the_serving_calls_and_leaves_the_rest_to_torch():
+    problem, _ = inputs()
+    pool = torch.randn(9, 4, 128, 128)
+    idx = torch.tensor([8, -1, 2, 0], dtype=torch.int64)
+    # SGLang: pool + indices + inplace_update, V-first; the int64 table is taken as int32
+    io = states.native_io(_plan(problem, pool, idx, v_first=True, inplace=True), pool, False, False)
+    assert io.mode == states.V_FIRST | states.READ_INDEXED | states.WRITE_INDEXED and io.write is pool
+    assert io.index.dtype == torch.int32 and io.index.tolist() == [8, -1, 2, 0]
+    # FlashInfer: output_state receives the slots
+    out = torch.zeros_like(pool)
+    io = states.native_io(_plan(problem, pool, idx, output_state=out, final=True), pool, True, False)
+    assert io.mode == states.READ_INDEXED | states.WRITE_INDEXED and io.write is out
+    # a dense V-first state, with autograd too: read in place, final states in the caller's layout
+    h0 = torch.randn(4, 4, 128, 128)
+    assert states.native_io(_plan(problem, h0, v_first=True, final=True, grad=True), h0, True, True).mode == 1
+    # torch's passes: a pool under autograd, a half-precision or strided state, pool + inplace + a dense result
+    assert states.native_io(_plan(problem, pool, idx, inplace=True), pool, False, True) is None
+    half = h0.half()
+    assert states.native_io(_plan(problem, half, final=True), half, True, False) is None
+    strided = h0.transpose(-1, -2)
+    assert states.native_io(_plan(problem, strided, final=True), strided, True, False) is None
+    assert states.native_io(_plan(problem, pool, idx, inplace=True, final=True), pool, True, False) is None
