@@ -16,7 +16,7 @@ import torch
 
 from . import gates, reference, states
 from .tuning import settings
-from .validation import Problem, check_cu_seqlens_cpu, check_keywords, validate_inputs
+from .validation import Problem, check_cu_seqlens_cpu, check_keywords, host_longest, validate_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
 _CAPABILITY: dict = {}
@@ -102,16 +102,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     plain = (initial_state_indices is None and state_indices is None and output_state is None and output is None
              and cp_context is None and inplace_update is False and state_v_first is False
-             and use_gate_in_kernel is False and use_beta_sigmoid_in_kernel is False and cu_seqlens_cpu is None
+             and use_gate_in_kernel is False and use_beta_sigmoid_in_kernel is False
              and chunk_indices is None and head_first is False and allow_neg_eigval is False
              and auto_cp is True and enable_fwd_cp_cache is True and force_intra_cp is False
              and type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
              and (backend == "auto" or backend == "kernels"))
     if plain:
         signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                               use_qk_l2norm_in_kernel, chunk_size)
+                               use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu)
         fast = _FAST.get(signature)
         if fast is not None and not torch.compiler.is_compiling():
+            if cu_seqlens_cpu is not None:  # its values change from call to call: checked, and they pick the plan
+                fast = fast.for_longest(host_longest(cu_seqlens_cpu, q.shape[1]))
             return fast(q, k, v, g, beta, initial_state, cu_seqlens)
     check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -169,7 +171,7 @@ _FAST_MAX = 1024
 
 
 def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, l2norm,
-               chunk_size) -> Optional[tuple]:
+               chunk_size, cu_seqlens_cpu=None) -> Optional[tuple]:
     """What a plain call's checks and kernel-path decisions depend on: shapes, dtypes, devices, contiguity of every
     tensor, scale (with its type: 1 and 1.0 hash alike), the flags and the tuning generation. None when an argument
     is not what a signature can describe (the full path then names the problem)."""
@@ -181,6 +183,8 @@ def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_
                 and beta.is_contiguous(),
                 None if h is None else (h.shape, h.dtype, h.device, h.is_contiguous()),
                 None if c is None else (c.shape, c.dtype, c.device),
+                None if cu_seqlens_cpu is None else (cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype,
+                                                     cu_seqlens_cpu.device),
                 scale, type(scale), output_final_state, l2norm, chunk_size, type(chunk_size), settings.generation)
     except (AttributeError, TypeError):
         return None

@@ -128,19 +128,31 @@ class Call:
     keeps one per plain signature (its fast lane): a repeat goes from the API straight to here, with no checks run
     again, then to the plan, or through autograd, whose forward replays the same plan."""
 
-    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan")
+    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan", "dtype", "has_h0", "_by_plan")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
                  output_final_state: bool, l2norm: bool, longest: Optional[int] = None):
-        self.problem, self.device = problem, device
+        self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
         self.output_final_state, self.l2norm = output_final_state, l2norm
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
+        self._by_plan: dict = {}
         # host-known lengths plan the forward from the longest sequence: the plan (not the lengths) joins the key,
         # so batches that plan alike share one recorded plan
         self.plan = None
         if longest is not None:
             self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
             self.key += (self.plan[:4],)
+
+    def for_longest(self, longest: Optional[int]) -> "Call":
+        """This signature's call for a batch whose longest sequence is ``longest`` tokens (None: equal lengths)."""
+        if longest is None:
+            return self
+        plan = forward_plan(self.problem, DTYPE_TAG[self.dtype], self.device, self.l2norm, False, longest)[:4]
+        call = self._by_plan.get(plan)
+        if call is None:
+            call = self._by_plan[plan] = Call(self.problem, self.device, self.dtype, self.has_h0,
+                                              self.output_final_state, self.l2norm, longest)
+        return call
 
     def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad

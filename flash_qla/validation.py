@@ -217,6 +217,17 @@ def check_keywords(*, head_first, chunk_size, use_gate_in_kernel, A_log, dt_bias
         raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens")
 
 
+def host_longest(cu_seqlens_cpu: torch.Tensor, tokens: int) -> Optional[int]:
+    """The longest sequence of a host cu_seqlens whose shape and dtype passed before (the API's fast lane), after
+    checking its values as check_cu_seqlens does; None for a single sequence (its length is the token count)."""
+    cu = cu_seqlens_cpu.tolist()
+    if cu[0] != 0 or cu[-1] != tokens or any(b < a for a, b in zip(cu, cu[1:])):
+        check_cu_seqlens(cu_seqlens_cpu, 1, tokens)  # names the problem
+    if len(cu) <= 2:
+        return None
+    return max(b - a for a, b in zip(cu, cu[1:]))
+
+
 def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens: torch.Tensor, batch: int, tokens: int) -> None:
     """The host copy of cu_seqlens: a CPU tensor of cu_seqlens' shape whose values are valid offsets (read for free
     on the host), equal to cu_seqlens' values where those are on the host too (never a device sync)."""

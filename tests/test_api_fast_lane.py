@@ -110,3 +110,20 @@ def test_the_table_is_bounded(monkeypatch):
     for i in range(10):
         api._remember(("sig", i), i)
     assert len(api._FAST) == 4 and ("sig", 9) in api._FAST and ("sig", 0) not in api._FAST
+
+
+def test_host_offsets_are_checked_on_the_fast_lane():
+    from flash_qla.validation import host_longest
+    assert host_longest(torch.tensor([0, 2, 7, 9]), 9) == 5
+    assert host_longest(torch.tensor([0, 9]), 9) is None
+    for bad, msg in (([0, 5, 3, 9], "non-decreasing"), ([1, 5, 9], "start at 0"), ([0, 5, 8], "end at the token")):
+        with pytest.raises(ValueError, match=msg):
+            host_longest(torch.tensor(bad), 9)
+
+
+def test_signatures_tell_host_offsets_apart():
+    a = inputs()
+    cu = a[5]
+    assert api._signature(*a[:5], None, None, cu, True, False, 64, cu) != sig(*a)
+    assert api._signature(*a[:5], None, None, cu, True, False, 64, cu.long()) != \
+        api._signature(*a[:5], None, None, cu, True, False, 64, cu)

@@ -109,7 +109,19 @@ def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
     equal = fwd.forward_plan(problem, "bf16", x["q"].device, False, False)
     assert with_lengths[:4] != equal[:4], (with_lengths, equal)
     with torch.no_grad():
-        got = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu)
+        # the first call takes the full path; the repeats the API's fast lane (checked offsets, plan by longest)
+        runs = [flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu) for _ in range(3)]
         with override(**PINS[with_lengths.path](with_lengths)):
             want = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    for got in runs:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the same shapes with equal lengths: the fast lane's signature matches, the plan follows the new offsets
+    even = [sum(lengths) // len(lengths)] * len(lengths)
+    even[-1] += sum(lengths) - sum(even)
+    y = draw(even, hq, hv, 128, 128, torch.bfloat16, seed=9)
+    plan = fwd.forward_plan(problem, "bf16", x["q"].device, False, False, max(even))
+    with torch.no_grad():
+        got = flash_qla.chunk_gated_delta_rule(**y, output_final_state=True, cu_seqlens_cpu=y["cu_seqlens"].cpu())
+        with override(**PINS[plan.path](plan)):
+            want = flash_qla.chunk_gated_delta_rule(**y, output_final_state=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
