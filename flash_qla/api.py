@@ -145,6 +145,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                        output_final_state, needs_grad)
     if output is not None:
         _check_output_buffer(output, v, problem)
+    if cp_context is None and (plan.v_first or plan.indices is not None or plan.write_to is not None):
+        native = _native_state_call(problem, q, k, v, g, beta, initial_state, plan, output_final_state, needs_grad,
+                                    cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, backend)
+        if native is not None:
+            return _with_output(native, output)
     h0 = states.initial_states(plan, initial_state, ct)
     if cp_context is not None:
         if indices is not None:
@@ -160,10 +165,40 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             _remember(signature, _kernel_ops().Call(problem, q.device, q.dtype, h0 is not None,
                                                          output_final_state, use_qk_l2norm_in_kernel))
     final = states.finish(plan, final, output_final_state)
+    return _with_output((o, final), output)
+
+
+def _with_output(result, output):
+    o, final = result
     if output is not None:
         output.copy_(o.reshape(output.shape))
         o = output
     return o, final
+
+
+def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, output_final_state: bool,
+                       needs_grad: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool, backend: str):
+    """(o, final) with the kernels reading and writing the caller's states as they are (V-first layout, pool slots,
+    in-place or output_state writes: states.native_io), or None where torch's passes must do it (states.native_io's
+    cases, intra-card CP plans, the reference backend, torch.compile, or autograd over a pool or a written state)."""
+    if (q.dtype not in (torch.bfloat16, torch.float16) or select_backend(q.device, backend) != "kernels"
+            or torch.compiler.is_compiling()):
+        return None
+    io = states.native_io(plan, initial_state, output_final_state, needs_grad)
+    if io is None or (needs_grad and (io.index is not None or io.write is not None)):
+        return None
+    if g.dtype != torch.float32 or beta.dtype not in (torch.float32, q.dtype):
+        return None
+    ops = _kernel_ops()
+    host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
+        cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None)
+    if not ops.native_state_io_for(problem, q.dtype, q.device, l2norm, host_cu):
+        return None
+    o, ht = ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, l2norm,
+                                       cu_seqlens_cpu=host_cu, state_io=io)
+    if plan.write_to is not None:
+        return o, (plan.write_to if plan.return_written else None)
+    return o, ht
 
 
 _FAST: dict = {}  # plain call signature -> its kernel_api.Call (see _signature): the fast lane

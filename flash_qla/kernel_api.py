@@ -12,10 +12,12 @@ from typing import Optional
 import torch
 
 from . import plans
-from .backward import backward
-from .forward import SegmentStates, forward_plan, chunk_local_cumsum, device_cu_seqlens, forward
-from .launch import DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream, supported_head_dims
+from .backward import backward, native_v_first
+from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, forward_plan, native_state_io
+from .launch import (DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream,
+                     supported_head_dims)
 from .planner import ForwardPlan
+from .states import PLAIN_IO, StateIO
 from .tuning import settings
 from .validation import Problem, validate_kernel_inputs
 
@@ -66,11 +68,12 @@ def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_
 
 
 def _record_forward(problem: Problem, inputs: tuple, dev: torch.device, output_final_state: bool, l2norm: bool,
-                    want_gate_free_inverse: bool = False, plan: Optional[ForwardPlan] = None):
+                    want_gate_free_inverse: bool = False, plan: Optional[ForwardPlan] = None,
+                    state_io: StateIO = PLAIN_IO):
     """A forward run as written on prepared inputs (a plan's recording): ((o, A, ht), finish)."""
     qi, ki, vi, gi, bi, h0, cu = inputs
     o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, l2norm,
-                          want_gate_free_inverse=want_gate_free_inverse, plan=plan)
+                          want_gate_free_inverse=want_gate_free_inverse, plan=plan, state_io=state_io)
     if isinstance(ht, SegmentStates):
         ht = per_sequence(problem, ht, dev, "ht")
     return (o, A, ht), _finish_forward
@@ -101,8 +104,15 @@ def _converted(grads, dtypes):
 
 
 def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
-                 A=None, g_is_cumsum: bool = False):
-    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state."""
+                 A=None, g_is_cumsum: bool = False, v_first: bool = False):
+    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state. v_first: initial_state,
+    dht and dh0 are [N, Hv, V, K] (the kernels read and write them so, or, where the recompute plans intra-card CP,
+    they are transposed around the call)."""
+    if v_first and not native_v_first(problem, q.dtype, q.device):
+        swap = (lambda x: None if x is None else x.transpose(-1, -2).contiguous())
+        grads = run_backward(problem, q, k, v, g, beta, swap(initial_state), cu_seqlens, use_qk_l2norm, do, swap(dht),
+                             A, g_is_cumsum)
+        return grads[:5] + (swap(grads[5]),)
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (
@@ -110,12 +120,12 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
               initial_state.dtype if initial_state is not None else None)
     key = ("bwd", dev.index, problem, dtypes, dht is not None, A is not None, bool(use_qk_l2norm), g_is_cumsum,
-           settings.generation)
+           v_first, settings.generation)
 
     def record():
         qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs
         dq, dk, dv, dg, dbeta, dh0 = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai,
-                                              g_is_cumsum=g_is_cumsum)
+                                              g_is_cumsum=g_is_cumsum, v_first=v_first)
         if isinstance(dh0, SegmentStates):
             dh0 = per_sequence(problem, dh0, dev, "dh0")
         return (dq, dk, dv, dg, dbeta, dh0), functools.partial(_finish_backward, dtypes=dtypes)
@@ -128,10 +138,12 @@ class Call:
     keeps one per plain signature (its fast lane): a repeat goes from the API straight to here, with no checks run
     again, then to the plan, or through autograd, whose forward replays the same plan."""
 
-    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan", "dtype", "has_h0", "_by_plan")
+    __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan", "dtype", "has_h0", "_by_plan",
+                 "state_io")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
-                 output_final_state: bool, l2norm: bool, longest: Optional[int] = None):
+                 output_final_state: bool, l2norm: bool, longest: Optional[int] = None,
+                 state_io: StateIO = PLAIN_IO):
         self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
         self.output_final_state, self.l2norm = output_final_state, l2norm
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
@@ -142,6 +154,11 @@ class Call:
         if longest is not None:
             self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
             self.key += (self.plan[:4],)
+        # the caller's state layout / pool, read and written by the kernels (state_io: see native_state_io); its
+        # index table and separate write target are inputs of the plan, traced like q or k
+        self.state_io = state_io
+        if state_io.mode or state_io.write is not None:
+            self.key += ("state_io", state_io.mode, state_io.write is not None)
 
     def for_longest(self, longest: Optional[int]) -> "Call":
         """This signature's call for a batch whose longest sequence is ``longest`` tokens (None: equal lengths)."""
@@ -166,12 +183,17 @@ class Call:
         """(o, final state or an empty tensor), no autograd."""
         dev = self.device
         inputs = _forward_inputs(self.problem, q, k, v, g, beta, initial_state, cu_seqlens)
-        o, ht, _ = plans.call(self.key, inputs, dev, current_stream(dev), lambda: self._record(inputs), side_stream)
+        io, key = self.state_io, self.key
+        if io.mode or io.write is not None:
+            separate = io.write is not None and io.write is not initial_state  # the pool written in place: one input
+            inputs += (io.index, io.write if separate else None)
+            key += (separate,)  # which input the recorded stores trace to
+        o, ht, _ = plans.call(key, inputs, dev, current_stream(dev), lambda: self._record(inputs), side_stream)
         return o, ht
 
     def _record(self, inputs):
-        return _record_forward(self.problem, inputs, self.device, self.output_final_state, self.l2norm,
-                               plan=self.plan)
+        return _record_forward(self.problem, inputs[:7], self.device, self.output_final_state, self.l2norm,
+                               plan=self.plan, state_io=self.state_io)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -181,6 +203,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens):
         o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
+        if call.state_io.index is not None or call.state_io.write is not None:
+            raise RuntimeError("a state pool or in-place state write under autograd: the API keeps these to torch's "
+                               "passes (states.native_io)")
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         return o, (ht if call.output_final_state else None)
 
@@ -191,21 +216,39 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             do = torch.zeros_like(v)
         call = ctx.call
         dq, dk, dv, dg, dbeta, dh0 = run_backward(call.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
-                                                  ctx.cu_seqlens, call.l2norm, do, dht)
+                                                  ctx.cu_seqlens, call.l2norm, do, dht, v_first=call.state_io.v_first)
         return None, dq, dk, dv, dg, dbeta, dh0, None
 
 
+def host_longest_of(problem: Problem, cu_seqlens_cpu) -> Optional[int]:
+    """The longest sequence's tokens from cu_seqlens' host copy (None: not given, or a single sequence)."""
+    if cu_seqlens_cpu is None or problem.num_seqs <= 1:
+        return None
+    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
+
+
+def native_state_io_for(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
+                        cu_seqlens_cpu=None) -> bool:
+    """Whether this call's forward plan lets the kernels read and write the caller's states as they are (every
+    plan but intra-card CP; forward.native_state_io)."""
+    longest = host_longest_of(problem, cu_seqlens_cpu)
+    plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
+    return native_state_io(problem, dtype, device, l2norm, plan=plan)
+
+
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel, cu_seqlens_cpu=None):
+                           use_qk_l2norm_in_kernel, cu_seqlens_cpu=None, state_io: StateIO = PLAIN_IO):
     """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None).
     cu_seqlens_cpu: cu_seqlens' values on the host (checked by the API), which plan the forward from the longest
-    sequence instead of equal lengths."""
-    validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
-    longest = None
-    if cu_seqlens_cpu is not None and problem.num_seqs > 1:
-        longest = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
+    sequence instead of equal lengths. state_io: the caller's state layout / pool / write target, done by the kernels
+    (only where native_state_io_for says so); initial_state is then as the caller gave it (V-first, or the pool)."""
+    if state_io.mode or state_io.write is not None:
+        validate_kernel_inputs(problem, q, g, beta, None, supported_head_dims())  # the pool's shape is the caller's
+    else:
+        validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
-                use_qk_l2norm_in_kernel, longest)(q, k, v, g, beta, initial_state, cu_seqlens)
+                use_qk_l2norm_in_kernel, host_longest_of(problem, cu_seqlens_cpu),
+                state_io)(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
