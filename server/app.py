@@ -108,11 +108,12 @@ class ServiceState:
                 and isinstance(result, PrefillResult) else result for request, result in zip(requests, results)]
 
     def release(self, requests: List[PrefillRequest]) -> None:
-        """The batcher let go of ``requests`` (after their launch, or without one): their sessions may expire
-        again."""
+        """The batcher let go of ``requests`` (after their launch on its thread, or without one on the event
+        loop): their sessions may expire again. The loop never waits for the store: when a launch holds it, a
+        request thread finishes them."""
         session_ids = [sid for r in requests if r.session_ids for sid in r.session_ids]
-        if session_ids:
-            self.store.finish(session_ids)
+        if session_ids and not self.store.finish(session_ids, blocking=False):
+            self.request_threads.submit(self.store.finish, session_ids)
 
     async def check_readiness(self) -> None:
         self.ready = await asyncio.get_running_loop().run_in_executor(self.executor, probe, self.config.backend)
@@ -184,11 +185,22 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
             raise NotReady(verdict.message, reason=verdict.reason,
                            headers={"Retry-After": "1"} if verdict is STARTING else None)
         encoding = media_type(request.headers.get("content-type"))
-        body = await request.body()  # BodyLimitMiddleware makes an oversized body a 413 here
+        # A bytearray: a safetensors request's tensors are views of it. BodyLimitMiddleware makes an oversized
+        # body a 413 while it is read.
+        body = bytearray().join([chunk async for chunk in request.stream()])
         loop = asyncio.get_running_loop()
-        # Off the event loop only for the work that needs a thread: decoding and checking the body. The loop
-        # queues the request and waits; a launch answers all its requests in one callback on the loop.
-        prefill_request = await loop.run_in_executor(state.request_threads, admit, body, encoding)
+        # Every other thread that takes Python's GIL makes the event loop, which moves all bodies, wait for it.
+        # A safetensors body is decoded and checked right here (its tensors are views of it); only JSON (pydantic,
+        # nested lists) and a session store busy with a state file go to a request thread. The loop then queues
+        # the request; a launch answers all its requests in one callback on the loop.
+        if encoding == SAFETENSORS:
+            prefill_request = checked(body, encoding)
+        else:
+            prefill_request = await loop.run_in_executor(state.request_threads, checked, body, encoding)
+        sessions = prefill_request.session_ids
+        if sessions and not state.store.admit(sessions, prefill_request.session_config, blocking=False):
+            await loop.run_in_executor(state.request_threads, state.store.admit, sessions,
+                                       prefill_request.session_config)
         try:
             result = await state.batcher.submit(prefill_request, timeout=config.request_timeout_s)
         except Exception as error:  # noqa: BLE001 - mapped to the client's answer
@@ -200,17 +212,15 @@ def create_app(config: Optional[ServiceConfig] = None) -> FastAPI:
             return Response(result, media_type=SAFETENSORS)
         return Response(await loop.run_in_executor(state.request_threads, encode_json, result), media_type=JSON)
 
-    def admit(body: bytes, encoding: str) -> PrefillRequest:
-        """On a request thread: decode and check the request before it may queue (sizes, head dims, the memory
-        estimate, its sessions). Its sessions stay pending (they cannot expire) until the batcher releases it."""
+    def checked(body: bytearray, encoding: str) -> PrefillRequest:
+        """Decode and check the request before it may queue: sizes, head dims, the memory estimate. (Its
+        sessions are admitted next: they stay pending, unable to expire, until the batcher releases it.)"""
         prefill_request = _decode(body, encoding)
         _check_size_limits(prefill_request, config)
         check_head_dims(prefill_request, config.backend, state.kernel_head_dims())
         prefill_request.memory_bytes = check_memory(prefill_request, config.backend, encoding,
                                                     config.max_request_bytes).total
         prefill_request.encoding = encoding
-        if prefill_request.session_ids:
-            state.store.admit(prefill_request.session_ids, prefill_request.session_config)
         return prefill_request
 
     if config.echo_endpoint:
@@ -237,7 +247,7 @@ async def _expire_sessions(store: SessionStore, every_s: float = 5.0) -> None:
             log.exception("session expiry sweep failed")
 
 
-def _decode(body: bytes, encoding: str) -> PrefillRequest:
+def _decode(body: bytearray, encoding: str) -> PrefillRequest:
     """pydantic errors become 422 with the field."""
     try:
         return decode_request(body, encoding)

@@ -2,22 +2,22 @@
 
 * ``application/json``: :class:`~server.schemas.PrefillJSONRequest` (nested lists plus a dtype field).
 * ``application/octet-stream``: a safetensors file with the same tensor names; the scalars (scale,
-  use_qk_l2norm_in_kernel, output_final_state) sit in its string metadata. Nothing is ever unpickled. An answer
-  is sent as buffers (:func:`safetensors_buffers`): its header, then the output tensors' own bytes, uncopied.
+  use_qk_l2norm_in_kernel, output_final_state) sit in its string metadata. Nothing is ever unpickled. A
+  request's tensors are views of its body and an answer is built from views of the outputs
+  (server.safetensors_views).
 """
 from __future__ import annotations
 
 import json
-import struct
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .errors import InputError, UnsupportedMediaType
 from .prefill import PrefillRequest, PrefillResult, prepare_request, state_dtype
+from .safetensors_views import SafetensorsFormatError, dump_buffers, load_views, read_header
 from .schemas import PrefillJSONRequest
 
 JSON = "application/json"
@@ -36,7 +36,7 @@ def media_type(content_type: Optional[str]) -> str:
                                f"got {content_type!r}")
 
 
-def decode_request(body: bytes, encoding: str) -> PrefillRequest:
+def decode_request(body: Union[bytes, bytearray], encoding: str) -> PrefillRequest:
     return decode_json(body) if encoding == JSON else decode_safetensors(body)
 
 
@@ -83,11 +83,11 @@ def encode_json(result: PrefillResult) -> bytes:
 
 # -- safetensors ------------------------------------------------------------------------------------------------
 
-def decode_safetensors(body: bytes) -> PrefillRequest:
+def decode_safetensors(body: Union[bytes, bytearray]) -> PrefillRequest:
+    """The request's tensors are views of ``body`` (give a bytearray: see load_views)."""
     try:
-        tensors = load_safetensors(body)
-        metadata = _safetensors_metadata(body)
-    except (SafetensorError, ValueError, struct.error) as error:
+        tensors, metadata = load_views(body)
+    except SafetensorsFormatError as error:
         raise InputError("body", f"the body is not a valid safetensors file: {error}") from error
     unknown = sorted(set(metadata) - set(_SCALAR_FIELDS))
     if unknown:
@@ -99,12 +99,6 @@ def decode_safetensors(body: bytes) -> PrefillRequest:
     return prepare_request(tensors, scale, l2norm, final, session_ids)
 
 
-def _safetensors_metadata(body: bytes) -> Dict[str, str]:
-    """The header's ``__metadata__``. safetensors exposes metadata only through ``safe_open`` on a file path;
-    the header is an 8-byte little-endian length then JSON, which load() above has already validated."""
-    (header_len,) = struct.unpack_from("<Q", body, 0)
-    header = json.loads(body[8:8 + header_len])
-    return dict(header.get("__metadata__") or {})
 
 
 def _parse_float(name: str, text: Optional[str]) -> Optional[float]:
@@ -140,42 +134,13 @@ def _parse_bool(name: str, text: Optional[str], default: Optional[bool]) -> Opti
 
 
 def encode_safetensors(result: PrefillResult) -> List[Union[bytes, memoryview]]:
-    """The answer as a safetensors file in buffers (see safetensors_buffers); ``b"".join`` of them is the file."""
+    """The answer as a safetensors file in buffers: its header, then views of o [and final_state]
+    (server.safetensors_views.dump_buffers); ``b"".join`` of them is the file."""
     tensors = {"o": result.o}
     if result.final_state is not None:
         tensors["final_state"] = result.final_state
     metadata = None if result.session_tokens is None else {"session_tokens": json.dumps(result.session_tokens)}
-    return safetensors_buffers(tensors, metadata)
-
-
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def safetensors_buffers(tensors: Dict[str, torch.Tensor],
-                        metadata: Optional[Dict[str, str]] = None) -> List[Union[bytes, memoryview]]:
-    """A safetensors file of host ``tensors`` as [header, data of each tensor]: the data buffers are views of the
-    tensors' memory (each keeps its tensor alive), so the file costs one copy, by whoever joins the buffers
-    (``bytes.join`` lets go of the GIL while it copies a megabyte or more). ``safetensors.torch.save`` copies
-    every tensor twice. The header is the format's layout: its length as 8 little-endian bytes, then JSON (dtype,
-    shape and byte range of each tensor, string metadata) padded with spaces to a multiple of 8; the tests read
-    answers back with safetensors' own reader."""
-    header: Dict[str, object] = {}
-    views: List[memoryview] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.device.type != "cpu" or tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: a host tensor of {sorted(map(str, _SAFETENSORS_DTYPES))} is needed, got "
-                             f"{tensor.dtype} on {tensor.device}")
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + data.numel()]}
-        offset += data.numel()
-        views.append(memoryview(data.numpy()))
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return [struct.pack("<Q", len(text)) + text, *views]
+    return dump_buffers(tensors, metadata)
 
 
 def encode_safetensors_request(tensors: Dict[str, torch.Tensor], scale: Optional[float] = None,
@@ -201,4 +166,4 @@ def decode_safetensors_response(body: bytes) -> Tuple[torch.Tensor, Optional[tor
 
 def safetensors_metadata(body: bytes) -> Dict[str, str]:
     """Client helper: the string metadata of a safetensors body (e.g. an answer's session_tokens)."""
-    return _safetensors_metadata(body)
+    return read_header(body)[1]

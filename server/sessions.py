@@ -201,10 +201,14 @@ class SessionStore:
             raise SessionConflict(f"session {session_id} has no state yet: its first prefill sets its head "
                                   f"configuration", reason="no_state_yet")
 
-    def admit(self, session_ids: Sequence[str], config: SessionConfig) -> None:
+    def admit(self, session_ids: Sequence[str], config: SessionConfig, blocking: bool = True) -> bool:
         """At the door of /v1/prefill: the sessions exist and fit ``config`` (a new session takes it). Each is
-        marked pending until :meth:`finish`, so it cannot expire while the request waits."""
-        with self._lock:
+        marked pending until :meth:`finish`, so it cannot expire while the request waits. With ``blocking=False``
+        (an event loop calling) nothing is done and False returned when another thread holds the store (a launch
+        may be reading or writing a state file); True once admitted."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
             now = self._clock()
             sessions = [self._live(sid, now) for sid in session_ids]
             for session in sessions:
@@ -214,15 +218,25 @@ class SessionStore:
             for session in sessions:
                 session.config = config
                 session.pending += 1
+            return True
+        finally:
+            self._lock.release()
 
-    def finish(self, session_ids: Sequence[str]) -> None:
-        with self._lock:
+    def finish(self, session_ids: Sequence[str], blocking: bool = True) -> bool:
+        """The admitted request on these sessions is done with (answered or given up). ``blocking`` as in
+        :meth:`admit`."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
             now = self._clock()
             for sid in session_ids:
                 session = self._sessions.get(sid)
                 if session is not None:
                     session.pending -= 1
                     session.last_used = now
+            return True
+        finally:
+            self._lock.release()
 
     def expire_idle(self) -> int:
         """Drop sessions idle past their TTL (none of whose requests is waiting); returns how many."""

@@ -518,19 +518,24 @@ def test_batcher_stop_answers_waiting_requests_shutting_down():
     assert released == [request]
 
 
-def test_safetensors_buffers_are_a_file_safetensors_reads():
+def _st_tensors(dtype, gen):
+    return {"o": torch.randn(5, 3, 7, generator=gen).to(dtype),
+            "final_state": torch.randn(2, 3, 4, 4, generator=gen).to(dtype)[:, :, 1:3, :].contiguous(),
+            "empty": torch.zeros(0, 3, dtype=dtype)}
+
+
+def test_safetensors_views_write_files_safetensors_reads():
     """Answers are sent as a header and the tensors' own bytes; joined, they are a safetensors file that the
     library reads back exactly (every dtype an answer has, an empty tensor, metadata or none)."""
     from safetensors.torch import load
 
-    from server.codec import safetensors_buffers, safetensors_metadata
+    from server.codec import safetensors_metadata
+    from server.safetensors_views import dump_buffers
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        tensors = {"o": torch.randn(5, 3, 7, generator=gen).to(dtype),
-                   "final_state": torch.randn(2, 3, 4, 4, generator=gen).to(dtype)[:, :, 1:3, :].contiguous(),
-                   "empty": torch.zeros(0, 3, dtype=dtype)}
+        tensors = _st_tensors(dtype, gen)
         for metadata in (None, {"session_tokens": "[5, 0]"}):
-            buffers = safetensors_buffers(tensors, metadata)
+            buffers = dump_buffers(tensors, metadata)
             header_len = int.from_bytes(buffers[0][:8], "little")
             assert (8 + header_len) % 8 == 0 and len(buffers[0]) == 8 + header_len
             body = b"".join(buffers)
@@ -539,9 +544,62 @@ def test_safetensors_buffers_are_a_file_safetensors_reads():
             assert all(loaded[n].dtype == t.dtype and torch.equal(loaded[n], t) for n, t in tensors.items())
             assert safetensors_metadata(body) == (metadata or {})
     sliced = torch.arange(24.0).reshape(6, 4)[2:5]  # a launch's outputs are slices of one buffer
-    assert torch.equal(load(b"".join(safetensors_buffers({"o": sliced})))["o"], sliced)
+    assert torch.equal(load(b"".join(dump_buffers({"o": sliced})))["o"], sliced)
     with pytest.raises(ValueError, match="host tensor"):
-        safetensors_buffers({"o": torch.zeros(2, dtype=torch.int32)})
+        dump_buffers({"o": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_safetensors_views_read_files_safetensors_writes_as_views():
+    """A request's tensors are views of its body (no copy), equal to what safetensors wrote."""
+    from safetensors.torch import save
+
+    from server.safetensors_views import load_views
+    gen = torch.Generator().manual_seed(4)
+    tensors = {**_st_tensors(torch.bfloat16, gen), "cu": torch.tensor([0, 3, 5]), "x32": torch.randn(3, 2),
+               "flags": torch.tensor([True, False])}
+    body = bytearray(save(tensors, metadata={"scale": "0.5"}))
+    views, metadata = load_views(body)
+    assert metadata == {"scale": "0.5"} and views.keys() == tensors.keys()
+    assert all(views[n].dtype == t.dtype and torch.equal(views[n], t) for n, t in tensors.items())
+    base = torch.frombuffer(body, dtype=torch.uint8).data_ptr()
+    assert all(base <= v.data_ptr() < base + len(body) for v in views.values() if v.numel())
+
+
+def test_safetensors_views_refuse_what_safetensors_refuses():
+    """Each malformed file is a SafetensorsFormatError naming the problem (the service answers 422 on body)."""
+    import struct
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load, save
+
+    from server.safetensors_views import SafetensorsFormatError, load_views
+    good = save({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.int64)})
+    n = struct.unpack_from("<Q", good)[0]
+    header = json.loads(good[8:8 + n])
+
+    def with_header(h, data=None):
+        text = json.dumps(h).encode()
+        return struct.pack("<Q", len(text)) + text + (good[8 + n:] if data is None else data)
+
+    bad = {
+        "too short": b"\x01\x00",
+        "header length": struct.pack("<Q", 10 ** 6) + b"{}",
+        "not JSON": struct.pack("<Q", 3) + b"{x}",
+        "not a JSON object": with_header([1, 2]),
+        "dtype": with_header({**header, "a": {**header["a"], "dtype": "Q7"}}),
+        "shape": with_header({**header, "a": {**header["a"], "shape": [2, -3]}}),
+        "data_offsets": with_header({**header, "a": {**header["a"], "data_offsets": [8, 4]}}),
+        "bytes for shape": with_header({**header, "a": {**header["a"], "shape": [3, 3]}}),
+        "tile": with_header({**header, "b": {**header["b"], "data_offsets": [header["b"]["data_offsets"][0] + 8,
+                                                                             header["b"]["data_offsets"][1] + 8]}}),
+        "the file has": good + b"\0" * 8,
+        "__metadata__": with_header({**header, "__metadata__": {"k": 1}}),
+    }
+    for reason, body in bad.items():
+        with pytest.raises(SafetensorsFormatError, match=reason):
+            load_views(bytearray(body))
+        with pytest.raises(SafetensorError):  # as safetensors does
+            load(bytes(body))
 
 
 # -- the readiness probe's reasons on hosts this CI machine is not ---------------------------------------------------
