@@ -80,6 +80,7 @@ def parse_args():
                    help="after the timed rounds, record the server under py-spy --gil for one service phase per "
                         "mode (needs py-spy and the right to read the server's memory)")
     p.add_argument("--profile-s", type=float, default=5.0, help="length of each profiled phase")
+    p.add_argument("--commit", default=None, help="the code's commit, recorded in the JSON")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.backend == "kernels" else "float32")
     args.client_procs = max(1, min(args.client_procs, args.clients))
@@ -401,12 +402,14 @@ def main() -> None:
     Hv, K = args.heads[1], args.head_dim
     result = {
         "bench": "service_vs_echo",
+        "commit": args.commit,
         "backend": args.backend,
         "device": torch.cuda.get_device_name() if args.backend == "kernels" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "flash_qla": flash_qla.__version__,
         "host_cpus": os.cpu_count(),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
+        "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+                   for k, v in vars(args).items() if k not in ("out", "commit")},
         "readiness": readiness,
         "answers_vs_direct_calls": agreement,
         "state_bytes_per_sequence": Hv * K * K * 4,
