@@ -87,9 +87,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync);
       ``chunk_indices``: FLA's precomputed chunk table, checked and not needed (the kernels plan chunks on the
       device); ``chunk_size`` in (16, 32, 64): accepted, the results do not depend on it (the kernels use 64).
-    * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp``, ``force_intra_cp``,
-      ``enable_fwd_cp_cache``: FlashQLA's intra-card CP controls; the planner here decides CP per shape with the
-      same results, and the backward recomputes instead of caching.
+    * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp=False``: the forward takes no
+      intra-card CP (FlashQLA's meaning; with True the planner decides per shape, with the same results);
+      ``force_intra_cp``, ``enable_fwd_cp_cache``: FlashQLA's other CP controls, accepted: the planner decides, and
+      the backward recomputes instead of caching.
     * ``cp_context``: a :class:`flash_qla.distributed.CPContext` (``flash_qla.build_cp_context``) runs the
       multi-GPU path; its context fixes the sequence layout (FLA's rule); any other object is an error.
     * State pool (serving engines): with ``initial_state_indices`` (or FlashInfer's ``state_indices``) int32 [N],
@@ -147,7 +148,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         _check_output_buffer(output, v, problem)
     if cp_context is None and (plan.v_first or plan.indices is not None or plan.write_to is not None):
         native = _native_state_call(problem, q, k, v, g, beta, initial_state, plan, output_final_state, needs_grad,
-                                    cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, backend)
+                                    cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, backend, auto_cp)
         if native is not None:
             return _with_output(native, output)
     h0 = states.initial_states(plan, initial_state, ct)
@@ -177,7 +178,7 @@ def _with_output(result, output):
 
 
 def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, output_final_state: bool,
-                       needs_grad: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool, backend: str):
+                       needs_grad: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool, backend: str, auto_cp: bool):
     """(o, final) with the kernels reading and writing the caller's states as they are (V-first layout, pool slots,
     in-place or output_state writes: states.native_io), or None where torch's passes must do it (states.native_io's
     cases, intra-card CP plans, the reference backend, torch.compile, or autograd over a pool or a written state)."""
@@ -192,10 +193,10 @@ def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, 
     ops = _kernel_ops()
     host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
         cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None)
-    if not ops.native_state_io_for(problem, q.dtype, q.device, l2norm, host_cu):
+    if not ops.native_state_io_for(problem, q.dtype, q.device, l2norm, host_cu, auto_cp):
         return None
     o, ht = ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, l2norm,
-                                       cu_seqlens_cpu=host_cu, state_io=io)
+                                       cu_seqlens_cpu=host_cu, state_io=io, auto_cp=auto_cp)
     if plan.write_to is not None:
         return o, (plan.write_to if plan.return_written else None)
     return o, ht

@@ -255,12 +255,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
 
 
 def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
-                  want_gate_free_inverse: bool, longest: Optional[int] = None) -> ForwardPlan:
+                  want_gate_free_inverse: bool, longest: Optional[int] = None, allow_cp: bool = True) -> ForwardPlan:
     """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP), V block, gdn_prepare
     heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants), narrowed by the
     tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0: no CP). A
     forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel. longest: the
-    longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal)."""
+    longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal). allow_cp
+    False: no intra-card CP (FlashQLA's auto_cp=False)."""
     K, V = problem.head_dim_k, problem.head_dim_v
     forced_l = settings.force_segment_chunks
     if forced_l:
@@ -272,7 +273,8 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
     return plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
                         V, num_sms(device), fused, chain, cp.SEGMENT_CHUNKS, bool(l2norm),
                         path="fused" if settings.use_fused and fused else None, block_v=bv,
-                        heads_per_cta=settings.force_heads_per_cta, allow_cp=forced_l is None, longest=longest)
+                        heads_per_cta=settings.force_heads_per_cta, allow_cp=allow_cp and forced_l is None,
+                        longest=longest)
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:

@@ -143,7 +143,7 @@ class Call:
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
                  output_final_state: bool, l2norm: bool, longest: Optional[int] = None,
-                 state_io: StateIO = PLAIN_IO):
+                 state_io: StateIO = PLAIN_IO, allow_cp: bool = True):
         self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
         self.output_final_state, self.l2norm = output_final_state, l2norm
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
@@ -151,8 +151,8 @@ class Call:
         # host-known lengths plan the forward from the longest sequence: the plan (not the lengths) joins the key,
         # so batches that plan alike share one recorded plan
         self.plan = None
-        if longest is not None:
-            self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
+        if longest is not None or not allow_cp:
+            self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest, allow_cp)
             self.key += (self.plan[:4],)
         # the caller's state layout / pool, read and written by the kernels (state_io: see native_state_io); its
         # index table and separate write target are inputs of the plan, traced like q or k
@@ -228,27 +228,29 @@ def host_longest_of(problem: Problem, cu_seqlens_cpu) -> Optional[int]:
 
 
 def native_state_io_for(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
-                        cu_seqlens_cpu=None) -> bool:
+                        cu_seqlens_cpu=None, auto_cp: Optional[bool] = None) -> bool:
     """Whether this call's forward plan lets the kernels read and write the caller's states as they are (every
     plan but intra-card CP; forward.native_state_io)."""
     longest = host_longest_of(problem, cu_seqlens_cpu)
-    plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest)
+    plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest, auto_cp is not False)
     return native_state_io(problem, dtype, device, l2norm, plan=plan)
 
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                           use_qk_l2norm_in_kernel, cu_seqlens_cpu=None, state_io: StateIO = PLAIN_IO):
+                           use_qk_l2norm_in_kernel, cu_seqlens_cpu=None, state_io: StateIO = PLAIN_IO,
+                           auto_cp: Optional[bool] = None):
     """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None).
     cu_seqlens_cpu: cu_seqlens' values on the host (checked by the API), which plan the forward from the longest
     sequence instead of equal lengths. state_io: the caller's state layout / pool / write target, done by the kernels
-    (only where native_state_io_for says so); initial_state is then as the caller gave it (V-first, or the pool)."""
+    (only where native_state_io_for says so); initial_state is then as the caller gave it (V-first, or the pool).
+    auto_cp False: the forward plans no intra-card CP (FlashQLA's meaning; the backward's recompute still may)."""
     if state_io.mode or state_io.write is not None:
         validate_kernel_inputs(problem, q, g, beta, None, supported_head_dims())  # the pool's shape is the caller's
     else:
         validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
-                use_qk_l2norm_in_kernel, host_longest_of(problem, cu_seqlens_cpu),
-                state_io)(q, k, v, g, beta, initial_state, cu_seqlens)
+                use_qk_l2norm_in_kernel, host_longest_of(problem, cu_seqlens_cpu), state_io,
+                auto_cp is not False)(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,

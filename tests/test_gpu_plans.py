@@ -125,3 +125,19 @@ def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
         with override(**PINS[plan.path](plan)):
             want = flash_qla.chunk_gated_delta_rule(**y, output_final_state=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_auto_cp_false_plans_no_intra_card_cp():
+    """FlashQLA's auto_cp=False: a shape the planner runs with intra-card CP runs without it, with the same results
+    as the call pinned to the plain path."""
+    from flash_qla import forward as fwd
+    from flash_qla.validation import validate_inputs
+    x = draw([8192], 2, 8, 128, 128, torch.bfloat16, seed=10)
+    problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
+    assert fwd.forward_plan(problem, "bf16", x["q"].device, False, False).path == "cp"
+    plan = fwd.forward_plan(problem, "bf16", x["q"].device, False, False, allow_cp=False)
+    with torch.no_grad():
+        got = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, auto_cp=False)
+        with override(**PINS[plan.path](plan)):
+            want = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
