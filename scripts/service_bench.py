@@ -270,11 +270,31 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+PY_SPY_RATE = 250  # samples a second
+THREAD_ROLES = (("MainThread", "event_loop"), ("flash-qla-launch", "launch_thread"),
+                ("flash-qla-request", "request_threads"))
+
+
 def py_spy_gil(pid: int, duration_s: float, out: Path) -> subprocess.Popen:
     """py-spy sampling which thread holds the GIL (and its stack) for ``duration_s``, into ``out``."""
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--gil", "--threads", "--nonblocking",
-                             "--rate", "250", "--duration", str(int(math.ceil(duration_s))), "--format", "raw",
-                             "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--rate", str(PY_SPY_RATE), "--duration", str(int(math.ceil(duration_s))),
+                             "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def gil_summary(profile: Path, seconds: float, requests: float) -> dict:
+    """From a py-spy --gil --threads raw profile covering ``seconds`` of load that answered ``requests``: the
+    fraction of the time some thread held the GIL, and each thread role's GIL milliseconds per request."""
+    by_role: Dict[str, int] = {}
+    for line in profile.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread = stack.split(";", 1)[0]
+        role = next((r for name, r in THREAD_ROLES if name in thread), "other")
+        by_role[role] = by_role.get(role, 0) + int(count)
+    held_s = sum(by_role.values()) / PY_SPY_RATE
+    return {"gil_held_fraction": held_s / seconds,
+            "gil_ms_per_request": {role: 1e3 * n / PY_SPY_RATE / requests for role, n in sorted(by_role.items())}}
 
 
 def summarize(parts: List[dict], seconds: float) -> dict:
@@ -364,8 +384,8 @@ def main() -> None:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
             for mode in MODES:
                 out = args.profile_dir / f"service_{mode}_gil.txt"
-                try:
-                    spy = py_spy_gil(proc.pid, args.profile_s, out)
+                try:  # from before the phase's clients start (0.5 s) to after they stop
+                    spy = py_spy_gil(proc.pid, args.profile_s + 2.0, out)
                 except OSError as error:  # no py-spy: the timed results stand without profiles
                     profiles[mode] = {"error": f"py-spy did not start: {error}"}
                     continue
@@ -373,6 +393,8 @@ def main() -> None:
                 _, err = spy.communicate(timeout=args.profile_s + 60)
                 profiles[mode] = {"file": out.name, "requests": profiled["requests"], "seconds": profiled["seconds"],
                                   "py_spy_exit": spy.returncode, "py_spy_stderr": err[-400:]}
+                if spy.returncode == 0:
+                    profiles[mode].update(gil_summary(out, profiled["seconds"], profiled["requests"]))
     finally:
         for p, conn in workers:
             try:
