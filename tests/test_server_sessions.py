@@ -226,6 +226,39 @@ def test_64_concurrent_clients_continue_their_own_sessions_exactly(server):
     assert launches < clients * turns, "no turns of different sessions were merged"
 
 
+def test_the_event_loop_never_waits_for_a_busy_session_store(server, client):
+    """While another thread holds the session store (a launch reading or writing a state file), a session turn
+    is admitted on a request thread: the event loop keeps answering, and the turn completes, exact, once the
+    store is free."""
+    x = make_inputs([6], seed=950)
+    o_ref, _ = expected(x)
+    sid = client.create_session()
+    store = server.service.store
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with store._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(prefill, client, x, [sid])
+            for _ in range(5):  # the loop answers while the turn waits for the store
+                assert httpx.get(server.url + "/health", timeout=2.0).status_code == 200
+            assert not turn.done()
+            release.set()
+            out = turn.result(timeout=10)
+    finally:
+        release.set()
+        holder.join(10)
+    assert_close(out.o, o_ref)
+    assert out.session_tokens == [6] and client.session(sid)["tokens"] == 6
+
+
 def test_eviction_to_disk_and_back_is_exact(tmp_path):
     """A pool of two states, five sessions taking turns: states go to disk and come back, answers exact."""
     config = ServiceConfig(backend="reference", port=0, batch_wait_ms=1, max_state_mb=2 * STATE_BYTES / 2**20,
