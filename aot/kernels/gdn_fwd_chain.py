@@ -142,7 +142,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             slot0 = T.alloc_var("int32")
             hk = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
-            row = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot
+            srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot
             if cp:  # compile time: the chain ends where segment n begins, chunk aligned
                 eos = cu_seqlens[n]
                 bos = start[n, h]
@@ -163,15 +163,15 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
             elif use_h0 != 0:
-                row = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
-                if row < 0:  # a padding entry of the pool's index table: zero state
+                srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
+                if srow < 0:  # a padding entry of the pool's index table: zero state
                     T.clear(st)
                 elif (state_mode & V_FIRST) != 0:
                     for d, kk in T.Parallel(BV, K):
-                        st[d, kk] = h0[row, h, (v0 + d) * K + kk]
+                        st[d, kk] = h0[srow, h, (v0 + d) * K + kk]
                 else:
                     for d, kk in T.Parallel(BV, K):
-                        st[d, kk] = h0[row, h, kk * V + v0 + d]
+                        st[d, kk] = h0[srow, h, kk * V + v0 + d]
             else:
                 T.clear(st)
             for c in T.Pipelined(T.ceildiv(eos - bos, C), num_stages=stages):
@@ -259,13 +259,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk * V + v0 + d] = st[d, kk]
             elif store_ht != 0:
-                row = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
-                if row >= 0:  # a padding entry writes nothing
+                srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
+                if srow >= 0:  # a padding entry writes nothing
                     if (state_mode & V_FIRST) != 0:
                         for d, kk in T.Parallel(BV, K):
-                            ht[row, h, (v0 + d) * K + kk] = st[d, kk]
+                            ht[srow, h, (v0 + d) * K + kk] = st[d, kk]
                     else:
                         for d, kk in T.Parallel(BV, K):
-                            ht[row, h, kk * V + v0 + d] = st[d, kk]
+                            ht[srow, h, kk * V + v0 + d] = st[d, kk]
 
     return gdn_fwd_chain

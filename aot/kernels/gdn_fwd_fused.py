@@ -258,16 +258,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 vnt_b = T.alloc_fragment((BV, C), dt)
                 vdt_b = T.alloc_fragment((BV, C), dt)
                 egl = T.alloc_local((1,), "float32")
-                row = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot (negative: none)
-                row = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
-                if use_h0 == 0 or row < 0:
+                srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot (negative: none)
+                srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
+                if use_h0 == 0 or srow < 0:
                     T.clear(st)
                 elif (state_mode & V_FIRST) != 0:
                     for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = h0[row, h, (v0 + d) * K + kk_]
+                        st[d, kk_] = h0[srow, h, (v0 + d) * K + kk_]
                 else:
                     for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = h0[row, h, kk_ * V + v0 + d]
+                        st[d, kk_] = h0[srow, h, kk_ * V + v0 + d]
                 for c in T.serial(chunks):
                     s = c % stages
                     t0 = bos + c * C
@@ -322,13 +322,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         if row < valid:
                             for u in T.vectorized(8):
                                 o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
-                row = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
-                if store_ht != 0 and row >= 0:
+                srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
+                if store_ht != 0 and srow >= 0:
                     if (state_mode & V_FIRST) != 0:
                         for d, kk_ in T.Parallel(BV, K):
-                            ht[row, h, (v0 + d) * K + kk_] = st[d, kk_]
+                            ht[srow, h, (v0 + d) * K + kk_] = st[d, kk_]
                     else:
                         for d, kk_ in T.Parallel(BV, K):
-                            ht[row, h, kk_ * V + v0 + d] = st[d, kk_]
+                            ht[srow, h, kk_ * V + v0 + d] = st[d, kk_]
 
     return gdn_fwd_fused
