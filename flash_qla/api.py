@@ -161,8 +161,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     else:
         o, final = _run(problem, q, k, v, g, beta, h0, plan.need_final, cu_seqlens, cu_seqlens_cpu,
                         use_qk_l2norm_in_kernel, chunk_size, auto_cp, backend)
-        if plain and signature is not None and h0 is initial_state and _fast_eligible(q, k, v, g, beta, h0,
-                                                                                          cu_seqlens, backend):
+        if (plain and signature is not None and h0 is initial_state and not torch.compiler.is_compiling()
+                and _fast_eligible(q, k, v, g, beta, h0, cu_seqlens, backend)):
             _remember(signature, _kernel_ops().Call(problem, q.device, q.dtype, h0 is not None,
                                                          output_final_state, use_qk_l2norm_in_kernel))
     final = states.finish(plan, final, output_final_state)
