@@ -423,26 +423,14 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
 
 @dataclass
 class SegmentStates:
-    """Per-segment states and what picks each sequence's (per_sequence): kept as tensors so that a replayed plan
-    (flash_qla/plans.py) picks them again from its own buffers."""
+    """Per-segment states and the tables that pick each sequence's: its last segment's (the final state) or its first
+    segment's (dh0), the boundary (h0 / dht, or zeros) for an empty sequence (last[n] < 0). kernel_api.per_sequence
+    picks them with one gdn_state_pick launch inside the call's plan."""
     states: torch.Tensor
     segment: torch.Tensor
     last: torch.Tensor
     boundary: Optional[torch.Tensor]
     count: int
-
-    def tensors(self) -> tuple:
-        return self.states, self.segment, self.last, self.boundary
-
-
-def per_sequence(states: torch.Tensor, segment: torch.Tensor, last: torch.Tensor, boundary: Optional[torch.Tensor],
-                 count: int) -> torch.Tensor:
-    """[S, ...] per-segment states -> [N, ...]: sequence n's is states[segment[n]] (its last segment's final state,
-    its first segment's dh0); a sequence with no segment (last[n] < 0: zero length) passes boundary (h0 / dht, or 0)
-    through."""
-    picked = states.index_select(0, segment.clamp(0, count - 1))
-    through = boundary if boundary is not None else torch.zeros_like(picked)
-    return torch.where((last < 0)[:, None, None, None], through, picked)
 
 
 def chunk_local_cumsum(g_packed: torch.Tensor, cu: torch.Tensor, shape) -> torch.Tensor:
