@@ -191,8 +191,7 @@ def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, 
     if g.dtype != torch.float32 or beta.dtype not in (torch.float32, q.dtype):
         return None
     ops = _kernel_ops()
-    host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
-        cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None)
+    host_cu = _host_offsets(cu_seqlens, cu_seqlens_cpu)
     if not ops.native_state_io_for(problem, q.dtype, q.device, l2norm, host_cu, auto_cp):
         return None
     o, ht = ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, l2norm,
@@ -253,9 +252,8 @@ def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, c
             from . import torch_ops
             return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm)
         ops = _kernel_ops()
-        host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
-            cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None)
-        extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=host_cu, auto_cp=None if auto_cp else False)
+        extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=_host_offsets(cu_seqlens, cu_seqlens_cpu),
+                              auto_cp=None if auto_cp else False)
         return ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm, **extra)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens)
     return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, h0, need_final, cu, l2norm,
@@ -302,6 +300,15 @@ def _check_output_buffer(output, v: torch.Tensor, problem: Problem) -> None:
         raise TypeError(f"output must have v's dtype {v.dtype} (o's dtype), got {output.dtype}")
     if output.device != v.device:
         raise ValueError(f"output must be on the inputs' device {v.device}, got {output.device}")
+
+
+def _host_offsets(cu_seqlens: Optional[torch.Tensor],
+                  cu_seqlens_cpu: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The offsets' values where the host already has them (cu_seqlens_cpu, or a CPU cu_seqlens), else None: no copy
+    from the device."""
+    if cu_seqlens_cpu is not None:
+        return cu_seqlens_cpu
+    return cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None
 
 
 def _host(cu_seqlens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -19,7 +19,7 @@ from .launch import (DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launc
 from .planner import ForwardPlan
 from .states import PLAIN_IO, StateIO
 from .tuning import settings
-from .validation import Problem, validate_kernel_inputs
+from .validation import Problem, host_longest, validate_kernel_inputs
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "run_forward",
            "run_backward", "supported_head_dims"]
@@ -201,11 +201,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens):
-        o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
         if call.state_io.index is not None or call.state_io.write is not None:
             raise RuntimeError("a state pool or in-place state write under autograd: the API keeps these to torch's "
                                "passes (states.native_io)")
+        o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         return o, (ht if call.output_final_state else None)
 
@@ -222,9 +222,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
 def host_longest_of(problem: Problem, cu_seqlens_cpu) -> Optional[int]:
     """The longest sequence's tokens from cu_seqlens' host copy (None: not given, or a single sequence)."""
-    if cu_seqlens_cpu is None or problem.num_seqs <= 1:
-        return None
-    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
+    return None if cu_seqlens_cpu is None else host_longest(cu_seqlens_cpu, problem.batch * problem.tokens)
 
 
 def native_state_io_for(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,

@@ -69,9 +69,9 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
     return min(reversed(candidates), key=cost)  # ties: the most heads per CTA
 
 
-# use_qk_l2norm_in_kernel (H100 fit, scripts/plan_sweep.py --l2norm): gdn_fwd_fused takes Q Q^T and the norms' scalings
-# on its aux warpgroup, L2NORM_FUSED_CHUNK_US more per chunk; gdn_prepare normalises (and stores) each chunk's q / k rows
-# once per q / k head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs
+# use_qk_l2norm_in_kernel (H100 fit, scripts/plan_sweep.py --l2norm): gdn_fwd_fused takes Q Q^T and the norms'
+# scalings on its aux warpgroup, L2NORM_FUSED_CHUNK_US more per chunk; gdn_prepare normalises (and stores) each chunk's
+# q / k rows once per q / k head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs
 L2NORM_FUSED_CHUNK_US = 0.608
 L2NORM_PREPARE_US = 3.71
 

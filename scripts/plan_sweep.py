@@ -11,8 +11,8 @@ and under the planner's own choice ("planned"). A row reports the best candidate
 usage (GPU machine, repository root):
   python scripts/plan_sweep.py --out bench/results/h100/plan_sweep.jsonl [--sets grid,holdout,standard] [--l2norm]
                                [--shapes SUBSTRING] [--tolerance 0.03]
-Writes one JSON line per shape: {"set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm", "planned_ms", "best", "best_ms", "ratio",
-"candidates": {name: ms}}; exits 1 when a shape's planned time is more than --tolerance above its best.
+Writes one JSON line per shape: {"set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm",
+"planned_ms", "best", "best_ms", "ratio", "candidates": {name: ms}}; exits 1 when a shape's planned time is more than --tolerance above its best.
 """
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def main() -> int:
                 if args.shapes and args.shapes not in name:
                     continue
                 x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
-                times = {c: time_plan(x, pins, device, args.l2norm) for c, pins in candidates(hq, hv, lens, args.l2norm).items()}
+                times = {c: time_plan(x, pins, device, args.l2norm)
+                         for c, pins in candidates(hq, hv, lens, args.l2norm).items()}
                 planned = time_plan(x, {}, device, args.l2norm)
                 best = min(times, key=times.get)
                 ratio = planned / min(times[best], planned)
