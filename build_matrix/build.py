@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from .hashing import sha256_bytes, source_hash
 from .manifest_io import KERNEL_DIR, load_manifest, read_cubin, write_cubin, write_manifest
@@ -42,7 +42,7 @@ def _is_current(entry: Dict, want_hash: str) -> bool:
         return False
 
 
-def build(subset: str = "full", jobs: int = 0, force: bool = False) -> List[Dict]:
+def build(subset: str = "full", jobs: int = 0, force: bool = False, only: Sequence[str] = ()) -> List[Dict]:
     from tqdm import tqdm
     tl_ver, nv_ver = tilelang_version(), nvcc_version()
     api, branch = minimum_driver(nv_ver)
@@ -54,6 +54,9 @@ def build(subset: str = "full", jobs: int = 0, force: bool = False) -> List[Dict
         h = source_hash(v, tl_ver, nv_ver)
         if not force and _is_current(old.get(v.key), h):
             rows.append(dict(old[v.key], cached=True))
+        elif only and not any(part in v.key for part in only):
+            if v.key in old:
+                rows.append(dict(old[v.key], cached=True))
         else:
             todo.append((v, h))
     jobs = jobs or os.cpu_count() or 1
@@ -95,8 +98,8 @@ def print_summary(rows: List[Dict], seconds: float) -> None:
     Console().print(table)
 
 
-def main(subset: str, jobs: int, force: bool) -> int:
+def main(subset: str, jobs: int, force: bool, only: Sequence[str] = ()) -> int:
     start = time.perf_counter()
-    rows = build(subset, jobs, force)
+    rows = build(subset, jobs, force, only)
     print_summary(rows, time.perf_counter() - start)
     return 0
