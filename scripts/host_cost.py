@@ -9,8 +9,9 @@ and the final state. Shapes: the standard matrix's forward rows, plus small batc
 
 usage (GPU machine, repository root):
   python scripts/host_cost.py --out bench/results/h100/host_overhead.json [--calls 200] [--rows SUBSTRING]
-Writes {"device": ..., "rows": [{"shape", "tokens", "seqs", "hq", "hv", "fwd_host_us", "fwd_bwd_host_us",
-"plans"}]}.
+Writes {"device": ..., "autograd_floor_us", "floor_empty_us", "floor_launch_us", "floor_autograd_min_us",
+"rows": [{"shape", "tokens", "seqs", "hq", "hv", "fwd_host_us", "fwd_bwd_host_us", "plans"}]}: the floors are what
+any library pays on the host (a torch.empty, a launch, autograd's own forward + backward) before its own work.
 """
 from __future__ import annotations
 
@@ -126,18 +127,29 @@ class _Identity(torch.autograd.Function):
         return grads
 
 
-def autograd_floor_us(calls: int) -> float:
-    """Host microseconds of forward + backward through _Identity on 6 CUDA leaves (as host_cost's step has)."""
-    leaves = [torch.zeros(8, device="cuda", requires_grad=True) for _ in range(6)]
+def autograd_floor_us(calls: int, leaves: int = 6, outputs: int = 2) -> float:
+    """Host microseconds of forward + backward through _Identity on `leaves` CUDA leaves, backward from the first
+    `outputs` of them (6 and 2: the step host_cost times, inputs q, k, v, g, beta, h0 and results o, ht)."""
+    xs = [torch.zeros(8, device="cuda", requires_grad=True) for _ in range(leaves)]
     ones = torch.ones(8, device="cuda")
 
     def step():
-        outs = _Identity.apply(*leaves)
-        torch.autograd.backward(list(outs[:2]), [ones, ones])
-        for t in leaves:
+        outs = _Identity.apply(*xs)
+        torch.autograd.backward(list(outs[:outputs]), [ones] * outputs)
+        for t in xs:
             t.grad = None
     step()
     return host_us(step, calls)
+
+
+def platform_floors(calls: int) -> dict:
+    """What any library's call pays on this host before doing anything of its own: one torch.empty, one kernel
+    launch (an in-place add on 8 floats), and the smallest autograd op (one leaf, one output) forward + backward."""
+    dev = torch.device("cuda")
+    x = torch.zeros(8, device=dev)
+    return {"floor_empty_us": round(host_us(lambda: torch.empty(1 << 20, device=dev, dtype=torch.uint8), calls), 2),
+            "floor_launch_us": round(host_us(lambda: x.add_(1), calls), 2),
+            "floor_autograd_min_us": round(autograd_floor_us(max(1, calls // 3), 1, 1), 2)}
 
 
 def main() -> int:
@@ -191,6 +203,7 @@ def main() -> int:
         rows.append(r)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "autograd_floor_us": round(autograd_floor_us(max(1, args.calls // 3)), 2),
+           **platform_floors(args.calls),
            "method": "CPU time per call of N calls queued behind a device sleep (median of 5 loops), plans recorded first",
            "rows": rows}
     with open(args.out, "w") as f:
