@@ -116,6 +116,13 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
 # rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
 FUSED_FIT_US = {64: (2.350, 5.41), 128: (3.492, 7.85)}   # gdn_fwd_fused: (per chunk, per chain)
+# gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
+# walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then
+# (H100 least squares over the 1-chunk batches of scripts/short_batch_sweep.py, bench/results/h100/
+# plan_sweep_short.jsonl) an SM takes ceil(items / SMs) items of FUSED_STREAM_US[0] + [1] x the last chunk's fill
+# (its tokens / 64) us each, plus FUSED_STREAM_US[2] per round of CTAs (a CTA's first item and its ramp)
+FUSED_PERSISTENT_CTAS = 528
+FUSED_STREAM_US = {64: (5.966, 0.663, 3.688), 128: (9.356, 1.623, 2.712)}
 CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
@@ -138,6 +145,18 @@ def _fit(table: dict, bv: int) -> tuple:
         return table[bv]
     c, f = table[64]
     return c * bv / 64, f  # a block outside the fit: per-chunk work in proportion
+
+
+def _fused_stream_us(tokens: int, num_seqs: int, items: int, bv: int, per_chunk_us: float, num_sms: int,
+                     l2norm: bool) -> float:
+    """gdn_fwd_fused with more items than CTAs (FUSED_STREAM_US): equal sequences of the mean length assumed."""
+    a, b, ramp = FUSED_STREAM_US.get(bv) or tuple(x * bv / 64 for x in FUSED_STREAM_US[64])
+    mean = tokens / max(1, num_seqs)
+    chunks = max(1, math.ceil(mean / 64))
+    fill = min(1.0, max(0.0, mean - 64 * (chunks - 1)) / 64)
+    per_item = a + b * fill + (chunks - 1) * per_chunk_us + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0)
+    return (math.ceil(items / num_sms) * per_item
+            + math.ceil(min(items, FUSED_PERSISTENT_CTAS) / num_sms) * ramp)
 
 
 def _rounds(ctas: float, num_sms: int) -> int:
@@ -179,7 +198,11 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                 continue
             c, f = _fit(FUSED_FIT_US, bv)
             c += L2NORM_FUSED_CHUNK_US if l2norm else 0.0
-            t = chain_us(num_seqs * num_v_heads * (head_dim_v // bv), c, f)
+            items = num_seqs * num_v_heads * (head_dim_v // bv)
+            if items > FUSED_PERSISTENT_CTAS:
+                t = max(longest_chunks * c + f, _fused_stream_us(tokens, num_seqs, items, bv, c, num_sms, l2norm))
+            else:
+                t = chain_us(items, c, f)
             plans.append(ForwardPlan("fused", bv, None, None, t))
     if path in (None, "split"):
         for bv in chain_blocks:

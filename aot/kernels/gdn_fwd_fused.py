@@ -21,6 +21,11 @@ Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last va
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
 State I/O as gdn_fwd_chain's out build: [.., K, V] or V-first states, read from / written to a pool's rows through
 state_idx (state_mode, aot/kernels/state_io.py).
+Persistent CTAs: at most PERSISTENT_CTAS CTAs, each walking the items (sequence, v-head, V block) cta, cta + ctas, ...
+one after the other through the same stages, so the producer and the aux warpgroup run ahead into the next item's
+chunks while the consumers finish one; the consumers start each item by asking L2 for the next item's initial state
+(cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and the state bytes
+stream while the chains compute. With one item a CTA it is the one-CTA-per-item kernel.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -49,11 +54,22 @@ REGS = {64: (32, 240, 232), 128: (24, 176, 136)}   # BV: (producer, consumer, au
 # load + aux time must fit in (STAGES - 1) chain steps; shared memory allows three at BV = 64, two at BV = 128
 STAGES = {64: 3, 128: 2}
 STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to shared memory (BV = 128)
+# CTAs of the persistent grid: four per SM of a 132-SM card (one CTA fits an SM), so that a card with fewer SMs
+# (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
+PERSISTENT_CTAS = 528
+PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
+# an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes)
+PREFETCH_L2 = r"""
+__device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+"""
 
 
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     dt = DTYPES[dtype]
     NC = BV // 64            # consumer warpgroups, 64 rows of S^T each
+    NB = V // BV             # V blocks of a (sequence, v-head)
     AUX0 = 128 * NC          # first aux thread
     PRODUCER_REGS, CONSUMER_REGS, AUX_REGS = REGS[BV]
     PROD0 = AUX0 + 128       # first producer thread
@@ -88,7 +104,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         store_ht: T.int32,
         state_mode: T.int32,
     ):
-        with T.Kernel(V // BV, Hv, N, threads=THREADS) as (bv, h, n):
+        with T.Kernel(T.min(N * Hv * NB, PERSISTENT_CTAS), threads=THREADS, prelude=PREFETCH_L2) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
             k_s = T.alloc_shared((stages, C, K), dt)
             v_s = T.alloc_shared((stages, C, BV), dt)
@@ -116,14 +132,22 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             full = T.alloc_barrier([32] * stages)
             ready = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([128 * NC] * stages)
+            # this CTA's items: cta, cta + ctas, ... in the order (sequence, v-head, V block), the V block fastest
+            ctas = T.min(N * Hv * NB, PERSISTENT_CTAS)
+            items = T.ceildiv(N * Hv * NB - cta, ctas)
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = T.alloc_var("int32")
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            hk = h // (Hv // Hq)
-            chunks = T.ceildiv(eos - bos, C)
-            v0 = bv * BV
+            h = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            v0 = T.alloc_var("int32")
+            it = T.alloc_var("int32")      # the item of the producer's chunk
+            cb = T.alloc_var("int32")      # its first chunk among the CTA's
+            chunks = T.alloc_var("int32")  # the CTA's chunks, over all its items
+            chunks = 0
+            for ii in T.serial(items):
+                n = (cta + ii * ctas) // (Hv * NB)
+                chunks = chunks + T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
             tx = T.get_thread_binding()
             if tx >= PROD0:
                 T.set_max_nreg(PRODUCER_REGS, 0)
@@ -133,9 +157,27 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     bv_ = T.alloc_local((2,), "float32")
                     up = T.alloc_local((1,), "float32")
                     last = T.alloc_local((1,), "float32")
+                    it = 0
+                    cb = 0
+                    n = cta // (Hv * NB)
+                    h = cta // NB % Hv
+                    v0 = cta % NB * BV
+                    bos = cu_seqlens[n]
+                    eos = cu_seqlens[n + 1]
+                    hk = h // (Hv // Hq)
                     for c in T.serial(chunks):
+                        # the item that holds the CTA's chunk c (an item of no chunk is passed over)
+                        while c - cb >= T.ceildiv(eos - bos, C):
+                            cb = cb + T.ceildiv(eos - bos, C)
+                            it = it + 1
+                            n = (cta + it * ctas) // (Hv * NB)
+                            h = (cta + it * ctas) // NB % Hv
+                            v0 = (cta + it * ctas) % NB * BV
+                            bos = cu_seqlens[n]
+                            eos = cu_seqlens[n + 1]
+                            hk = h // (Hv // Hq)
                         s = c % stages
-                        t0 = bos + c * C
+                        t0 = bos + (c - cb) * C
                         # g / beta (strided: one 4-byte load per token) fetched before the wait for the stage
                         for u in T.unroll(2):
                             row = lane + u * 32
@@ -259,76 +301,99 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 vdt_b = T.alloc_fragment((BV, C), dt)
                 egl = T.alloc_local((1,), "float32")
                 srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot (negative: none)
-                srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
-                if use_h0 == 0 or srow < 0:
-                    T.clear(st)
-                elif (state_mode & V_FIRST) != 0:
-                    for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = h0[srow, h, (v0 + d) * K + kk_]
-                else:
-                    for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = h0[srow, h, kk_ * V + v0 + d]
-                for c in T.serial(chunks):
-                    s = c % stages
-                    t0 = bos + c * C
-                    valid = T.min(eos - t0, C)
-                    T.copy(st, st_b)
-                    if NC > 1:  # this warpgroup's rows of st_b, then its tensor-core (async proxy) reads
-                        T.fence_proxy_async()
-                        T.sync_threads(STATE_BARRIER + wg, 128)
-                    T.barrier_wait(ready[s], (c // stages) % 2)
-                    T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(kst, num_regs=C // 2)
-                    for d, i in T.Parallel(BV, C):
-                        wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
-                    T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-                    T.warpgroup_fence_operand(vnt, num_regs=C // 2)
-                    for d, i in T.Parallel(BV, C):
-                        vnt_b[d, i] = T.cast(vnt[d, i], dt)
-                        vdt_b[d, i] = T.cast(vnt[d, i] * et_s[s, i], dt)
-                    if l2norm:  # the chunk's total decay (eg_s carries 1 / |k|)
-                        egl[0] = T.exp2(g_s[s, valid - 1])
-                    else:
-                        egl[0] = eg_s[s, valid - 1]
-                    for d, kk_ in T.Parallel(BV, K):
-                        st[d, kk_] = st[d, kk_] * egl[0]
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
-                    for d, i in T.Parallel(BV, C):
-                        qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
-                    T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(st, num_regs=K // 2)
-                    T.warpgroup_fence_operand(qst, num_regs=C // 2)
-                    T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
-                    # O staged as rows, then stored 16 bytes a thread
-                    # (each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the chunk's
-                    # last tensor-core reads of st_b before the next chunk's writes)
-                    if c > 0:
-                        T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
-                    for d, i in T.Parallel(BV, C):
-                        o_s[i, d] = T.cast(qst[d, i], dt)
-                    T.sync_threads(OUT_BARRIER + wg, 128)
-                    col = wg * 64 + ct % 8 * 8
-                    for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-                        row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
-                        if row < valid:
-                            for u in T.vectorized(8):
-                                o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
-                srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
-                if store_ht != 0 and srow >= 0:
-                    if (state_mode & V_FIRST) != 0:
+                cc = T.alloc_var("int32")    # the CTA's chunks done: stage and barrier phase
+                cc = 0
+                for ci in T.serial(items):
+                    n = (cta + ci * ctas) // (Hv * NB)
+                    h = (cta + ci * ctas) // NB % Hv
+                    v0 = (cta + ci * ctas) % NB * BV
+                    bos = cu_seqlens[n]
+                    eos = cu_seqlens[n + 1]
+                    if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
+                        # the next item's initial state into L2 while this one runs (its load then hits L2)
+                        nxt = cta + (ci + 1) * ctas
+                        prow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[nxt // (Hv * NB)],
+                                              nxt // (Hv * NB))
+                        if prow >= 0 and prow < H0R:
+                            if NB == 1 or (state_mode & V_FIRST) != 0:  # its rows are one contiguous block
+                                if ct == 0:
+                                    T.call_extern("handle", "fqla_prefetch_l2",
+                                                  T.address_of(h0[prow, nxt // NB % Hv, nxt % NB * BV * K]),
+                                                  BV * K * 4)
+                            elif ct < K:  # [K, V] with V blocks: K rows of BV floats
+                                T.call_extern("handle", "fqla_prefetch_l2",
+                                              T.address_of(h0[prow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
+                    srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
+                    if use_h0 == 0 or srow < 0:
+                        T.clear(st)
+                    elif (state_mode & V_FIRST) != 0:
                         for d, kk_ in T.Parallel(BV, K):
-                            ht[srow, h, (v0 + d) * K + kk_] = st[d, kk_]
+                            st[d, kk_] = h0[srow, h, (v0 + d) * K + kk_]
                     else:
                         for d, kk_ in T.Parallel(BV, K):
-                            ht[srow, h, kk_ * V + v0 + d] = st[d, kk_]
+                            st[d, kk_] = h0[srow, h, kk_ * V + v0 + d]
+                    for c in T.serial(T.ceildiv(eos - bos, C)):
+                        s = cc % stages
+                        t0 = bos + c * C
+                        valid = T.min(eos - t0, C)
+                        T.copy(st, st_b)
+                        if NC > 1:  # this warpgroup's rows of st_b, then its tensor-core (async proxy) reads
+                            T.fence_proxy_async()
+                            T.sync_threads(STATE_BARRIER + wg, 128)
+                        T.barrier_wait(ready[s], (cc // stages) % 2)
+                        T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(kst, num_regs=C // 2)
+                        for d, i in T.Parallel(BV, C):
+                            wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
+                        T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
+                        T.warpgroup_fence_operand(vnt, num_regs=C // 2)
+                        for d, i in T.Parallel(BV, C):
+                            vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                            vdt_b[d, i] = T.cast(vnt[d, i] * et_s[s, i], dt)
+                        if l2norm:  # the chunk's total decay (eg_s carries 1 / |k|)
+                            egl[0] = T.exp2(g_s[s, valid - 1])
+                        else:
+                            egl[0] = eg_s[s, valid - 1]
+                        for d, kk_ in T.Parallel(BV, K):
+                            st[d, kk_] = st[d, kk_] * egl[0]
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                        for d, i in T.Parallel(BV, C):
+                            qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
+                        T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(st, num_regs=K // 2)
+                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                        T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
+                        # O staged as rows, then stored 16 bytes a thread
+                        # (each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the chunk's
+                        # last tensor-core reads of st_b before the next chunk's writes)
+                        if cc > 0:
+                            T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
+                        for d, i in T.Parallel(BV, C):
+                            o_s[i, d] = T.cast(qst[d, i], dt)
+                        T.sync_threads(OUT_BARRIER + wg, 128)
+                        col = wg * 64 + ct % 8 * 8
+                        for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                            row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
+                            if row < valid:
+                                for u in T.vectorized(8):
+                                    o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
+                        cc = cc + 1
+                    srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
+                    if store_ht != 0 and srow >= 0:
+                        if (state_mode & V_FIRST) != 0:
+                            for d, kk_ in T.Parallel(BV, K):
+                                ht[srow, h, (v0 + d) * K + kk_] = st[d, kk_]
+                        else:
+                            for d, kk_ in T.Parallel(BV, K):
+                                ht[srow, h, kk_ * V + v0 + d] = st[d, kk_]
 
     return gdn_fwd_fused
