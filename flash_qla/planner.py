@@ -125,6 +125,10 @@ FUSED_PERSISTENT_CTAS = 528
 FUSED_STREAM_US = {64: (5.966, 0.663, 3.688), 128: (9.356, 1.623, 2.712)}
 CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
+# Batches of one-chunk sequences: gdn_prepare at one head per CTA grows with the chunk's fill beyond the fit by
+# SHORT_FILL_US / heads per CTA us per (sequence, v-head) per SM at a full chunk (H100, plan_sweep_short: 2B-TP1's
+# 16 / 16 heads, 8 -> 64 tokens, prepare + chain +4 us a (sequence, v-head) per SM, the fused kernel +1.6)
+SHORT_FILL_US = 2.67
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over the features
 # (out-chain rounds x L, out-chain rounds, pre-pass rounds, segments per sequence): a least-squares fit, not a
@@ -212,6 +216,10 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             chain = chain_us(num_seqs * num_v_heads * (head_dim_v // bv), c, f)
             for hpc in hpcs:
                 t = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm) + chain
+                if longest_chunks == 1 and not l2norm:
+                    fill = min(1.0, tokens / max(1, num_seqs) / 64)
+                    t += (max(0.0, fill - 0.125) / 0.875 * math.ceil(num_seqs * num_v_heads / num_sms)
+                          * SHORT_FILL_US / hpc)
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
     if allow_cp and path in (None, "cp"):
         hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)

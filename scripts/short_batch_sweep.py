@@ -16,7 +16,7 @@ Subcommands (the GPU-machine steps of one sweep, then the merge here):
                                   and under the planner's choice: JSON lines in plan_sweep's schema, set "short"
                                   (bench/results/<card>/plan_sweep_short.jsonl, which tests/test_planner_short.py
                                   holds the planner to)
-  merge --ours F [--peer LIB=F ...] --out short_batches.jsonl [--min-ratio R]
+  merge --ours F [--peer LIB=F ...] [--source LIB=TEXT ...] --out short_batches.jsonl [--min-ratio R]
                                   one row per (lib, shape) {lib, model, hq, hv, seqs, tokens_per_seq, ms, eager_ms,
                                   state_GB, state_TBps} plus per shape ours over the best peer; exits 1 when a ratio
                                   (best peer's graph time / ours) is under --min-ratio
@@ -61,12 +61,11 @@ def _lib(name: str) -> str:
     return {"flash_qla_aot": "ours", "flashinfer": "fi", "qla": "qla", "flash_qla": "qla"}.get(name, name)
 
 
-def merge(ours: str, peers: Dict[str, str]) -> List[dict]:
+def merge(ours: str, peers: Dict[str, str], sources: Dict[str, str] = None) -> List[dict]:
     """Rows of every library (graph ms preferred, eager when a library cannot be captured) and one comparison row per
     shape (lib "compare": ours over the best peer)."""
     by_shape: Dict[tuple, Dict[str, dict]] = defaultdict(dict)
-    sources = [("ours", ours)] + sorted(peers.items())
-    for lib, path in sources:
+    for lib, path in [("ours", ours)] + sorted(peers.items()):
         with open(path) as f:
             for line in f:
                 line = line.strip()
@@ -84,6 +83,8 @@ def merge(ours: str, peers: Dict[str, str]) -> List[dict]:
                        "hq": r["hq"], "hv": r["hv"], "seqs": n, "tokens_per_seq": t, "ms": ms,
                        "graph_ms": r.get("graph_ms"), "eager_ms": r.get("eager_ms"),
                        "state_GB": round(nbytes / 1e9, 4), "state_TBps": round(nbytes / (ms * 1e-3) / 1e12, 3)}
+                if sources and lib in sources:
+                    row["source"] = sources[lib]
                 by_shape[(r["model"], r["hq"], r["hv"], n, t)][lib] = row
     out = []
     for key in sorted(by_shape, key=lambda k: ([m[0] for m in MODELS].index(k[0]) if k[0] in
@@ -217,6 +218,8 @@ def main(argv=None) -> int:
     mg.add_argument("--peer", action="append", default=[], help="LIB=FILE (qla, fi)")
     mg.add_argument("--out", required=True)
     mg.add_argument("--min-ratio", type=float, default=None)
+    mg.add_argument("--source", action="append", default=[],
+                    help="LIB=TEXT: where a library's rows come from (commit, call, card), kept in its rows")
     args = p.parse_args(argv)
     if args.cmd == "matrix":
         seqs = [int(s) for s in args.seqs.split(",")]
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--peer takes LIB=FILE, got {spec!r}")
         lib, path = spec.split("=", 1)
         peers[lib] = path
-    rows = merge(args.ours, peers)
+    rows = merge(args.ours, peers, dict(spec.split("=", 1) for spec in args.source))
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
