@@ -131,24 +131,30 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                          "(FlashInfer's), not both")
     indices = initial_state_indices if initial_state_indices is not None else state_indices
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32  # g / state dtype the computation reads
-    if use_gate_in_kernel:  # NOT YET NATIVE: a torch pass before the call (flash_qla/gates.py)
+    if use_gate_in_kernel:
         gates.check_head_vector("A_log", A_log, problem.num_v_heads, q.device)
         if dt_bias is not None:
             gates.check_head_vector("dt_bias", dt_bias, problem.num_v_heads, q.device)
-        g = gates.gdn_gate(g, A_log, dt_bias)
-    if use_beta_sigmoid_in_kernel:  # NOT YET NATIVE: likewise
-        beta = gates.beta_from_logits(beta, allow_neg_eigval)
+    gate = gates.NO_GATE
+    if (use_gate_in_kernel or use_beta_sigmoid_in_kernel) and _gates_in_kernels(q, backend, cp_context):
+        gate = gates.kernel_gate(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    else:  # the reference, torch.compile's op and the multi-GPU path: the torch pass (flash_qla/gates.py)
+        if use_gate_in_kernel:
+            g = gates.gdn_gate(g, A_log, dt_bias)
+        if use_beta_sigmoid_in_kernel:
+            beta = gates.beta_from_logits(beta, allow_neg_eigval)
     g = g if g.dtype == ct else g.to(ct)
     beta = beta if beta.dtype in (ct, q.dtype) else beta.to(ct)
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, g, beta, initial_state, gate.A_log,
+                                                                   gate.dt_bias))
     plan = states.plan(problem, q.device, initial_state, indices, state_v_first, inplace_update, output_state,
                        output_final_state, needs_grad)
     if output is not None:
         _check_output_buffer(output, v, problem)
     if cp_context is None and (plan.v_first or plan.indices is not None or plan.write_to is not None):
         native = _native_state_call(problem, q, k, v, g, beta, initial_state, plan, output_final_state, needs_grad,
-                                    cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, backend, auto_cp)
+                                    cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, backend, auto_cp, gate)
         if native is not None:
             return _with_output(native, output)
     h0 = states.initial_states(plan, initial_state, ct)
@@ -160,13 +166,20 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            use_qk_l2norm_in_kernel, backend)
     else:
         o, final = _run(problem, q, k, v, g, beta, h0, plan.need_final, cu_seqlens, cu_seqlens_cpu,
-                        use_qk_l2norm_in_kernel, chunk_size, auto_cp, backend)
+                        use_qk_l2norm_in_kernel, chunk_size, auto_cp, backend, gate)
         if (plain and signature is not None and h0 is initial_state and not torch.compiler.is_compiling()
                 and _fast_eligible(q, k, v, g, beta, h0, cu_seqlens, backend)):
             _remember(signature, _kernel_ops().Call(problem, q.device, q.dtype, h0 is not None,
                                                          output_final_state, use_qk_l2norm_in_kernel))
     final = states.finish(plan, final, output_final_state)
     return _with_output((o, final), output)
+
+
+def _gates_in_kernels(q, backend: str, cp_context) -> bool:
+    """Whether the kernels apply FLA's gate / beta activations themselves (gates.KernelGate): the single-GPU kernel
+    path outside torch.compile's trace; elsewhere gates.py's torch pass runs before the call."""
+    return (cp_context is None and q.dtype in (torch.bfloat16, torch.float16)
+            and select_backend(q.device, backend) == "kernels" and not torch.compiler.is_compiling())
 
 
 def _with_output(result, output):
@@ -178,7 +191,8 @@ def _with_output(result, output):
 
 
 def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, output_final_state: bool,
-                       needs_grad: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool, backend: str, auto_cp: bool):
+                       needs_grad: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool, backend: str, auto_cp: bool,
+                       gate=gates.NO_GATE):
     """(o, final) with the kernels reading and writing the caller's states as they are (V-first layout, pool slots,
     in-place or output_state writes: states.native_io), or None where torch's passes must do it (states.native_io's
     cases, intra-card CP plans, the reference backend, torch.compile, or autograd over a pool or a written state)."""
@@ -195,7 +209,8 @@ def _native_state_call(problem: Problem, q, k, v, g, beta, initial_state, plan, 
     if not ops.native_state_io_for(problem, q.dtype, q.device, l2norm, host_cu, auto_cp):
         return None
     o, ht = ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, l2norm,
-                                       cu_seqlens_cpu=host_cu, state_io=io, auto_cp=auto_cp)
+                                       cu_seqlens_cpu=host_cu, state_io=io, auto_cp=auto_cp,
+                                       **kernel_extras(ops.chunk_gated_delta_rule, gate=gate if gate.mode else None))
     if plan.write_to is not None:
         return o, (plan.write_to if plan.return_written else None)
     return o, ht
@@ -245,7 +260,7 @@ def _remember(signature: tuple, fast) -> None:
 
 
 def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, cu_seqlens_cpu, l2norm: bool,
-         chunk_size: int, auto_cp: bool, backend: str):
+         chunk_size: int, auto_cp: bool, backend: str, gate=gates.NO_GATE):
     """One call of the kernels (or the reference) on prepared inputs: (o, final [N, Hv, K, V] or None)."""
     if select_backend(q.device, backend) == "kernels":
         if torch.compiler.is_compiling():  # one opaque custom op for torch.compile (flash_qla.torch_ops)
@@ -253,7 +268,7 @@ def _run(problem: Problem, q, k, v, g, beta, h0, need_final: bool, cu_seqlens, c
             return torch_ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm)
         ops = _kernel_ops()
         extra = kernel_extras(ops.chunk_gated_delta_rule, cu_seqlens_cpu=_host_offsets(cu_seqlens, cu_seqlens_cpu),
-                              auto_cp=None if auto_cp else False)
+                              auto_cp=None if auto_cp else False, gate=gate if gate.mode else None)
         return ops.chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu_seqlens, l2norm, **extra)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens)
     return reference.chunked_gated_delta_rule(q, k, v, g, beta, problem.scale, h0, need_final, cu, l2norm,

@@ -13,6 +13,9 @@
    one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass). With
    use_qk_l2norm_in_kernel the recompute's gdn_prepare normalises q / k (as in the forward) and gdn_bwd_chunk's
    epilogue differentiates the normalisation from the raw rows: no torch pass, no autograd.
+With FLA's fused activations (a gates.KernelGate) the recompute activates the raw g / beta as the forward did and
+gdn_bwd_chunk's stores give the gradients of the raw g and beta logits, plus per-(chunk slot, v-head) partial sums of
+dA_log and dt_bias's gradient (gate_sums adds them over the slots).
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from . import forward as fwd
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
+from .gates import NO_GATE, KernelGate
 from .launch import CHUNK, DTYPE_TAG, current_stream, dense, empty, join, launch, num_sms, packed, side_stream
 from .states import PLAIN_IO, V_FIRST, StateIO
 from .tuning import settings
@@ -32,13 +36,16 @@ DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
-             g_is_cumsum: bool = False, v_first: bool = False):
+             g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
     dtypes (dg and dbeta float32; flash_qla/kernel_api.py converts). dg is with respect to the raw g; dh0 is None without an
     initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
     when the caller kept it (FlashQLA's low-level API), read instead of solved again; g_is_cumsum: g is the chunk-local
     cumsum (that API's form; dg is still with respect to the raw g). v_first: initial_state, dht and the returned dh0
-    are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP)."""
+    are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP).
+    gate: FLA's activations applied by the kernels (g / beta are the raw gate / logits; dg and dbeta are with respect to
+    them); with gate.gate a seventh result, [2, Hv, slots] fp32: dA_log's (0) and dt_bias's (1) partial sums per chunk
+    slot (gate_sums)."""
     dt = q.dtype
     saved: dict = {}
     # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
@@ -67,7 +74,7 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
         fwd.forward(problem, q, k, v, g, beta, initial_state, False, cu_seqlens, use_qk_l2norm,
                     want_gate_free_inverse=True, saved=saved, save_stream=side, gate_free_inverse=A,
                     g_is_cumsum=g_is_cumsum, after_cp_tables=start_reverse_pre_pass,
-                    state_io=StateIO(v_first=True) if v_first else PLAIN_IO)
+                    state_io=StateIO(v_first=True) if v_first else PLAIN_IO, gate=gate)
         if "stream" in early:
             join(main, early["stream"])
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
@@ -75,8 +82,15 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
         if side is not None:
             join(main, side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (dense(q), dense(k)) if use_qk_l2norm else None
-        dq, dk, dbeta, dg = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
-    return dq, dk, dv, dg, dbeta, dh0
+        dq, dk, dbeta, dg, part = _chunk_kernel(problem, saved, do_p, x, dv, dhs, raw)
+    return (dq, dk, dv, dg, dbeta, dh0) + ((part,) if part is not None else ())
+
+
+def gate_sums(part: torch.Tensor):
+    """(dA_log, d dt_bias) [Hv] fp32 from gdn_bwd_chunk's per-slot partial sums [2, Hv, slots]: one torch sum over the
+    slots, in a fixed order (bit-identical repeats)."""
+    sums = part.sum(-1)
+    return sums[0], sums[1]
 
 
 def _dh_pointers(saved: dict, do_p, dht_c, scratch) -> dict:
@@ -168,11 +182,14 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     # separate allocations: outputs that share a storage cannot be returned by a torch custom op (torch_ops)
     dq, dk = (empty(B, Tb, Hq, K, device=dev, dtype=dt, output=name) for name in ("dq", "dk"))
     dbeta, dg = (empty(B, Tb, Hv, device=dev, dtype=torch.float32, output=name) for name in ("dbeta", "dg"))
+    gate = saved.get("gate", NO_GATE)
+    # with the raw gate: dA_log's and dt_bias's partial sums per (chunk slot, v-head), all written by the kernel
+    part = empty(2, Hv, saved["TC"] // CHUNK, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
     ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)
     launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
-                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
+                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas, gate_mode=gate.mode),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
@@ -182,8 +199,11 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
                  "k_raw": k_raw.data_ptr(),
                  # l2norm: the rows' factors (|x|^2 + eps)^-1/2 from gdn_prepare (without it, ops' stand-in: unread)
-                 "rn": saved["rn"].data_ptr()})
-    return dq, dk, dbeta, dg
+                 "rn": saved["rn"].data_ptr(),
+                 # the raw gate and the parameters (gate_mode; stand-ins, unread, without it)
+                 "g": saved["g"].data_ptr(), **gate.pointers(saved["g"]),
+                 "gate_part": (part if part is not None else dbeta).data_ptr()})
+    return dq, dk, dbeta, dg, part
 
 
 def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cp
+from .gates import NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
                      dense, empty, join, launch, num_sms, packed, side_stream)
@@ -116,7 +117,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
             g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO,
-            plan: Optional[ForwardPlan] = None):
+            plan: Optional[ForwardPlan] = None, gate: KernelGate = NO_GATE):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     ``state_io`` (flash_qla/states.py): the caller's state layout and pool, which the kernels read and write in
@@ -132,7 +133,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     with ``g_is_cumsum`` g is already the chunk-local cumsum (FlashQLA's low-level backward takes it so).
     ``plan``: the forward's plan when the caller made it (with the host-known lengths, forward_plan); else planned
     here. ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
-    launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own)."""
+    launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own).
+    ``gate`` (flash_qla/gates.py): g / beta are FLA's raw gate / beta logits, activated by the kernels where they load
+    them (gdn_prepare, gdn_fwd_fused); ``saved`` then also keeps the raw g and the gate for gdn_bwd_chunk."""
     dev = q.device
     dt = q.dtype
     T = problem.batch * problem.tokens
@@ -147,13 +150,15 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     if saved is None and plan is None:
         plan = forward_plan(problem, tag, dev, use_qk_l2norm, want_gate_free_inverse)
     L = plan.segment_chunks if plan is not None else _recompute_segment_chunks(problem, tag, dev)
+    if gate.mode and g_is_cumsum:
+        raise ValueError("internal: g is either the chunk-local cumsum or FLA's raw gate, not both")
     if L is not None and state_io.mode:
         raise ValueError("internal: the kernels read / write the caller's state layout and pool only without "
                          "intra-card CP (forward.native_state_io); the caller converts the states around a CP call")
     fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
-                               fused_bv, stream, state_io)
+                               fused_bv, stream, state_io, gate)
         return o, ht, None, (cu_seqlens, None)
     cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
     agb, pqk = (empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
@@ -195,13 +200,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     rn = empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
     launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
-                 g_is_cumsum=int(g_is_cumsum)),
+                 g_is_cumsum=int(g_is_cumsum), gate_mode=gate.mode),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
              "rn": rn.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
-             "slot_rows": tiles.data_ptr() + slot_rows_at * 4}, stream)
+             "slot_rows": tiles.data_ptr() + slot_rows_at * 4, **gate.pointers(gp)}, stream)
     qp, kp = qn, kn
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
@@ -229,7 +234,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
                      sizes=sizes, tag=tag, order=order,
-                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn)
+                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn, g=gp, gate=gate)
         if state_io.index is not None:
             raise ValueError("internal: the backward's recompute reads a dense initial state (no pool)")
         chain_sizes = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1, state_mode=state_io.mode)
@@ -285,7 +290,7 @@ def _heads_per_cta(problem: Problem, device: torch.device) -> int:
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
-                   bv: int, stream, state_io: StateIO = PLAIN_IO):
+                   bv: int, stream, state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE):
     """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
@@ -296,10 +301,11 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
     launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
+             "gate_mode": gate.mode,
              "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
             {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
-             "ht": ht.data_ptr(), "state_idx": state_io.index_ptr(cu)}, stream)
+             "ht": ht.data_ptr(), "state_idx": state_io.index_ptr(cu), **gate.pointers(g)}, stream)
     return o, ht
 
 

@@ -3,6 +3,8 @@
 A call is validated (flash_qla.validation, O(1) Python, no device synchronisation), its inputs brought to the
 kernels' layouts (no-ops for the usual dtypes), and run by its cached plan (flash_qla/plans.py): the first call of a
 signature records forward.forward / backward.backward, later ones replay them with one C crossing.
+FLA's gate / beta activations (gates.KernelGate) run inside the kernels: the mode joins the plans' keys, A_log and
+dt_bias join their inputs, and the autograd function returns their gradients.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Optional
 import torch
 
 from . import plans
-from .backward import backward, native_v_first
+from .backward import backward, gate_sums, native_v_first
 from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, forward_plan, native_state_io
+from .gates import NO_GATE, KernelGate, head_vector
 from .launch import (DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream,
                      supported_head_dims)
 from .planner import ForwardPlan
@@ -69,11 +72,11 @@ def forward_key(problem: Problem, device: torch.device, dtype: torch.dtype, has_
 
 def _record_forward(problem: Problem, inputs: tuple, dev: torch.device, output_final_state: bool, l2norm: bool,
                     want_gate_free_inverse: bool = False, plan: Optional[ForwardPlan] = None,
-                    state_io: StateIO = PLAIN_IO):
+                    state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE):
     """A forward run as written on prepared inputs (a plan's recording): ((o, A, ht), finish)."""
     qi, ki, vi, gi, bi, h0, cu = inputs
     o, ht, A, _ = forward(problem, qi, ki, vi, gi, bi, h0, output_final_state, cu, l2norm,
-                          want_gate_free_inverse=want_gate_free_inverse, plan=plan, state_io=state_io)
+                          want_gate_free_inverse=want_gate_free_inverse, plan=plan, state_io=state_io, gate=gate)
     if isinstance(ht, SegmentStates):
         ht = per_sequence(problem, ht, dev, "ht")
     return (o, A, ht), _finish_forward
@@ -95,40 +98,46 @@ def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_
     return o, ht, A, inputs[-1]
 
 
-def _finish_backward(dq, dk, dv, dg, dbeta, dh0, *, dtypes):
-    return _converted((dq, dk, dv, dg, dbeta, dh0), dtypes)
+def _finish_backward(dq, dk, dv, dg, dbeta, dh0, part=None, *, dtypes):
+    grads = (dq, dk, dv, dg, dbeta, dh0)
+    if part is not None:  # the raw gate: dA_log and dt_bias's gradient from the per-slot partial sums
+        grads += gate_sums(part)
+    return _converted(grads, dtypes)
 
 
 def _converted(grads, dtypes):
-    return tuple(None if d is None else d.to(t) for d, t in zip(grads, dtypes))
+    return tuple(d if d is None or t is None else d.to(t) for d, t in zip(grads, dtypes))
 
 
 def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
-                 A=None, g_is_cumsum: bool = False, v_first: bool = False):
+                 A=None, g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE,
+                 gate_dtypes: tuple = (None, None)):
     """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state. v_first: initial_state,
     dht and dh0 are [N, Hv, V, K] (the kernels read and write them so, or, where the recompute plans intra-card CP,
-    they are transposed around the call)."""
+    they are transposed around the call). gate: FLA's activations in the kernels (g / beta raw, dg / dbeta with
+    respect to them); with gate.gate (dA_log [Hv], d dt_bias [Hv] or None) follow, in gate_dtypes."""
     if v_first and not native_v_first(problem, q.dtype, q.device):
         swap = (lambda x: None if x is None else x.transpose(-1, -2).contiguous())
         grads = run_backward(problem, q, k, v, g, beta, swap(initial_state), cu_seqlens, use_qk_l2norm, do, swap(dht),
-                             A, g_is_cumsum)
-        return grads[:5] + (swap(grads[5]),)
+                             A, g_is_cumsum, gate=gate, gate_dtypes=gate_dtypes)
+        return grads[:5] + (swap(grads[5]),) + grads[6:]
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
     inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (
-        _contiguous(do, q.dtype), _contiguous(dht, torch.float32), _contiguous(A))
+        _contiguous(do, q.dtype), _contiguous(dht, torch.float32), _contiguous(A), gate.A_log, gate.dt_bias)
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-              initial_state.dtype if initial_state is not None else None)
+              initial_state.dtype if initial_state is not None else None) + (gate_dtypes if gate.gate else ())
     key = ("bwd", dev.index, problem, dtypes, dht is not None, A is not None, bool(use_qk_l2norm), g_is_cumsum,
-           v_first, settings.generation)
+           v_first, gate.mode, settings.generation)
 
     def record():
-        qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs
-        dq, dk, dv, dg, dbeta, dh0 = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai,
-                                              g_is_cumsum=g_is_cumsum, v_first=v_first)
+        qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs[:10]
+        grads = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai, g_is_cumsum=g_is_cumsum,
+                         v_first=v_first, gate=gate)
+        dh0 = grads[5]
         if isinstance(dh0, SegmentStates):
             dh0 = per_sequence(problem, dh0, dev, "dh0")
-        return (dq, dk, dv, dg, dbeta, dh0), functools.partial(_finish_backward, dtypes=dtypes)
+        return grads[:5] + (dh0,) + grads[6:], functools.partial(_finish_backward, dtypes=dtypes)
 
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
 
@@ -139,12 +148,14 @@ class Call:
     again, then to the plan, or through autograd, whose forward replays the same plan."""
 
     __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan", "dtype", "has_h0", "_by_plan",
-                 "state_io")
+                 "state_io", "gate_mode")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
                  output_final_state: bool, l2norm: bool, longest: Optional[int] = None,
-                 state_io: StateIO = PLAIN_IO, allow_cp: bool = True):
+                 state_io: StateIO = PLAIN_IO, allow_cp: bool = True, gate_mode: int = 0):
         self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
+        # FLA's activations in the kernels (gates.KernelGate's mode); A_log / dt_bias come with each call
+        self.gate_mode = gate_mode
         self.output_final_state, self.l2norm = output_final_state, l2norm
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
         self._by_plan: dict = {}
@@ -159,6 +170,8 @@ class Call:
         self.state_io = state_io
         if state_io.mode or state_io.write is not None:
             self.key += ("state_io", state_io.mode, state_io.write is not None)
+        if gate_mode:
+            self.key += ("gate", gate_mode)
 
     def for_longest(self, longest: Optional[int]) -> "Call":
         """This signature's call for a batch whose longest sequence is ``longest`` tokens (None: equal lengths)."""
@@ -168,18 +181,27 @@ class Call:
         call = self._by_plan.get(plan)
         if call is None:
             call = self._by_plan[plan] = Call(self.problem, self.device, self.dtype, self.has_h0,
-                                              self.output_final_state, self.l2norm, longest)
+                                              self.output_final_state, self.l2norm, longest, gate_mode=self.gate_mode)
         return call
 
-    def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens):
+    def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
                                         or beta.requires_grad or
-                                        (initial_state is not None and initial_state.requires_grad)):
-            return _ChunkGatedDeltaRule.apply(self, q, k, v, g, beta, initial_state, cu_seqlens)
-        o, ht = self.forward(q, k, v, g, beta, initial_state, cu_seqlens)
+                                        (initial_state is not None and initial_state.requires_grad)
+                                        or (A_log is not None and A_log.requires_grad)
+                                        or (dt_bias is not None and dt_bias.requires_grad)):
+            return _ChunkGatedDeltaRule.apply(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+        o, ht = self.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
         return o, (ht if self.output_final_state else None)
 
-    def forward(self, q, k, v, g, beta, initial_state, cu_seqlens):
+    def gate(self, A_log, dt_bias) -> KernelGate:
+        """This call's KernelGate with the parameters as the kernels read them."""
+        if not self.gate_mode:
+            return NO_GATE
+        return KernelGate(self.gate_mode, head_vector(A_log) if A_log is not None else None,
+                          head_vector(dt_bias) if dt_bias is not None else None)
+
+    def forward(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):
         """(o, final state or an empty tensor), no autograd."""
         dev = self.device
         inputs = _forward_inputs(self.problem, q, k, v, g, beta, initial_state, cu_seqlens)
@@ -188,36 +210,48 @@ class Call:
             separate = io.write is not None and io.write is not initial_state  # the pool written in place: one input
             inputs += (io.index, io.write if separate else None)
             key += (separate,)  # which input the recorded stores trace to
-        o, ht, _ = plans.call(key, inputs, dev, current_stream(dev), lambda: self._record(inputs), side_stream)
+        gate = self.gate(A_log, dt_bias)
+        if gate.mode:
+            inputs += (gate.A_log, gate.dt_bias)
+        o, ht, _ = plans.call(key, inputs, dev, current_stream(dev), lambda: self._record(inputs, gate), side_stream)
         return o, ht
 
-    def _record(self, inputs):
+    def _record(self, inputs, gate: KernelGate = NO_GATE):
         return _record_forward(self.problem, inputs[:7], self.device, self.output_final_state, self.l2norm,
-                               plan=self.plan, state_io=self.state_io)
+                               plan=self.plan, state_io=self.state_io, gate=gate)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     """Saves only the inputs: the backward recomputes every intermediate (flash_qla/backward.py)."""
 
     @staticmethod
-    def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens):
+    def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):
         if call.state_io.index is not None or call.state_io.write is not None:
             raise RuntimeError("a state pool or in-place state write under autograd: the API keeps these to torch's "
                                "passes (states.native_io)")
-        o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
         ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.gate_params = (A_log is not None, dt_bias is not None)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)
         return o, (ht if call.output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, A_log, dt_bias = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
         call = ctx.call
-        dq, dk, dv, dg, dbeta, dh0 = run_backward(call.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None,
-                                                  ctx.cu_seqlens, call.l2norm, do, dht, v_first=call.state_io.v_first)
-        return None, dq, dk, dv, dg, dbeta, dh0, None
+        gate = call.gate(A_log if ctx.gate_params[0] else None, dt_bias if ctx.gate_params[1] else None)
+        grads = run_backward(call.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None, ctx.cu_seqlens, call.l2norm,
+                             do, dht, v_first=call.state_io.v_first, gate=gate,
+                             gate_dtypes=(A_log.dtype if ctx.gate_params[0] else None,
+                                          dt_bias.dtype if ctx.gate_params[1] else None))
+        dq, dk, dv, dg, dbeta, dh0 = grads[:6]
+        dA_log = d_dt_bias = None
+        if gate.gate:
+            dA_log = grads[6].reshape(A_log.shape)
+            d_dt_bias = grads[7].reshape(dt_bias.shape) if ctx.gate_params[1] else None
+        return None, dq, dk, dv, dg, dbeta, dh0, None, dA_log, d_dt_bias
 
 
 def host_longest_of(problem: Problem, cu_seqlens_cpu) -> Optional[int]:
@@ -236,19 +270,21 @@ def native_state_io_for(problem: Problem, dtype: torch.dtype, device: torch.devi
 
 def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                            use_qk_l2norm_in_kernel, cu_seqlens_cpu=None, state_io: StateIO = PLAIN_IO,
-                           auto_cp: Optional[bool] = None):
+                           auto_cp: Optional[bool] = None, gate: KernelGate = NO_GATE):
     """The kernel path of flash_qla.chunk_gated_delta_rule on validated inputs: (o, final state or None).
     cu_seqlens_cpu: cu_seqlens' values on the host (checked by the API), which plan the forward from the longest
     sequence instead of equal lengths. state_io: the caller's state layout / pool / write target, done by the kernels
     (only where native_state_io_for says so); initial_state is then as the caller gave it (V-first, or the pool).
-    auto_cp False: the forward plans no intra-card CP (FlashQLA's meaning; the backward's recompute still may)."""
+    auto_cp False: the forward plans no intra-card CP (FlashQLA's meaning; the backward's recompute still may).
+    gate: FLA's use_gate_in_kernel / use_beta_sigmoid_in_kernel run by the kernels (g / beta raw; gates.kernel_gate):
+    its A_log / dt_bias get gradients under autograd."""
     if state_io.mode or state_io.write is not None:
         validate_kernel_inputs(problem, q, g, beta, None, supported_head_dims())  # the pool's shape is the caller's
     else:
         validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
                 use_qk_l2norm_in_kernel, host_longest_of(problem, cu_seqlens_cpu), state_io,
-                auto_cp is not False)(q, k, v, g, beta, initial_state, cu_seqlens)
+                auto_cp is not False, gate.mode)(q, k, v, g, beta, initial_state, cu_seqlens, gate.A_log, gate.dt_bias)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,

@@ -28,10 +28,15 @@ epilogue turns the group's summed dy into dx = r (dy - y (y . dy)) = r dy - r^3 
 rounding to the input dtype: no separate pass, no autograd. A whole chunk does it in the accumulator layout from y
 (still in q_s / k_s) and gdn_prepare's stored r, then takes the TMA store; a partial chunk's row loop does it from
 the raw rows (one warp per row, r recomputed).
+gate_mode (aot/kernels/gate_act.py): beta activated where it is read and g_log / its slope made from the raw g; the
+stores give d b = dbeta * beta (1 - beta / m) and d g = dg_log * (-exp(A_log) sigmoid(g + dt_bias)); dA_log and
+dt_bias's gradient leave as per-(chunk slot, head) sums (gate_part) that the host adds over the slots: deterministic,
+no atomics. The raw g and the parameters load with the head's other row scalars, under the V blocks.
 """
 import tilelang.language as T
 
 from .common import L2NORM_EPS
+from .gate_act import BETA_SIGMOID, GATE, beta_act, beta_slope, gate_log, gate_slope
 
 C = 64
 BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
@@ -129,6 +134,10 @@ def build(dtype: str, K: int, V: int):
         k: T.Tensor((NT, Hq, K), dt),
         A: T.Tensor((NT, Hv, C), dt),
         beta: T.Tensor((NT, Hv), "float32"),
+        # gate_mode (gate_act.py): the raw gate and the per-head parameters (unread without GATE / GATE_BIAS)
+        g: T.Tensor((NT, Hv), "float32"),
+        A_log: T.Tensor((Hv,), "float32"),
+        dt_bias: T.Tensor((Hv,), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
         do: T.Tensor((NT, Hv, V), dt),
         w: T.Tensor((NT, Hv, V), dt),
@@ -142,6 +151,8 @@ def build(dtype: str, K: int, V: int):
         dk: T.Tensor((NT, Hq, K), dt),
         dbeta: T.Tensor((NT, Hv), "float32"),
         dg: T.Tensor((NT, Hv), "float32"),
+        # GATE: per (chunk slot, v-head) sums of dA_log's (0) and dt_bias's (1) terms; every slot is written
+        gate_part: T.Tensor((2, Hv, TC // C), "float32"),
         q_raw: T.Tensor((NT, Hq, K), dt),
         k_raw: T.Tensor((NT, Hq, K), dt),
         # l2norm: the q (0) / k (1) rows' factors as gdn_prepare stored them, by chunk slot (slot * 64 + row): a
@@ -150,6 +161,7 @@ def build(dtype: str, K: int, V: int):
         scale: T.float32,
         l2norm: T.int32,
         ctas: T.int32,
+        gate_mode: T.int32,
     ):
         # items: every (chunk slot, q/k head), slot-major (TC / 64 = ceil(T / 64) + N slots)
         with T.Kernel(ctas, threads=THREADS) as pid:
@@ -200,6 +212,8 @@ def build(dtype: str, K: int, V: int):
             dbr = T.alloc_fragment((C,), "float32")
             etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
+            gl_s = T.alloc_shared((C,), "float32")  # GATE: each row's g_log
+            gd_s = T.alloc_shared((C,), "float32")  # GATE: each row's d g_log / d g
             dd_s = T.alloc_shared((C,), "float32")  # the A part's diagonal dAgb_ii A_ii (dbeta's; no gamma term)
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
@@ -224,7 +238,9 @@ def build(dtype: str, K: int, V: int):
             scan = T.alloc_local((2,), "float32")   # warp 0's dg scan: rows lane and lane + 32
             et_part = T.alloc_local((1,), "float32")
             moved = T.alloc_local((2,), "float32")
-            rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
+            # a head's gamma, gamma_last, beta for row tid; with GATE its raw g, A_log, dt_bias
+            rowv = T.alloc_local((6,), "float32")
+            gsum = T.alloc_local((2,), "float32")  # GATE: warp 0's dA_log / dt_bias terms of a chunk
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
@@ -288,6 +304,10 @@ def build(dtype: str, K: int, V: int):
                             rowv[1] = gam_t[h, bc * C + valid - 1]
                             if tid < valid:
                                 rowv[2] = beta[t0 + tid, h]
+                                if (gate_mode & GATE) != 0:
+                                    rowv[3] = g[t0 + tid, h]
+                                    rowv[4] = A_log[h]
+                                    rowv[5] = dt_bias[h]
                         T.clear(dqf)
                         T.clear(dkf)
                         T.clear(dks)
@@ -339,7 +359,12 @@ def build(dtype: str, K: int, V: int):
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
                             eg_s[tid] = T.exp2(rowv[0] * LOG2E)
                             et_s[tid] = T.if_then_else(tid < valid - 1, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
-                            b_s[tid] = rowv[2]
+                            # FLA's activations from the raw inputs (gate_act.py), as the recompute applied them
+                            b_s[tid] = T.if_then_else((gate_mode & BETA_SIGMOID) != 0 and tid < valid,
+                                                      beta_act(rowv[2], gate_mode), rowv[2])
+                            if (gate_mode & GATE) != 0 and tid < valid:
+                                gl_s[tid] = gate_log(rowv[3], rowv[4], rowv[5], gate_mode)
+                                gd_s[tid] = gate_slope(rowv[3], rowv[4], rowv[5], gate_mode)
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
                         if r == 0:  # q / k's first use in this item
                             T.barrier_arrive(qk_bar[0])
@@ -465,6 +490,30 @@ def build(dtype: str, K: int, V: int):
                                 scan[0] = scan[0] + T.if_then_else(lane + (1 << sh) < 32, moved[0], 0.0)
                                 scan[1] = scan[1] + T.if_then_else(lane + (1 << sh) < 32, moved[1], 0.0)
                             scan[0] = scan[0] + T.shfl_sync(scan[1], 0)  # the upper half's total
+                            if (gate_mode & BETA_SIGMOID) != 0:  # d b = d beta * d beta / d b
+                                if lane < valid:
+                                    db_s[lane] = db_s[lane] * beta_slope(b_s[lane], gate_mode)
+                                if lane + 32 < valid:
+                                    db_s[lane + 32] = db_s[lane + 32] * beta_slope(b_s[lane + 32], gate_mode)
+                            if (gate_mode & GATE) != 0:
+                                # d g = d g_log * d g_log / d g; dA_log's terms d g_log * g_log (d g_log / d A_log
+                                # = g_log) and dt_bias's d g, summed over the chunk's rows: one partial per (slot,
+                                # head), summed over the slots by the host in a fixed order (no float atomics)
+                                gsum[0] = 0.0
+                                gsum[1] = 0.0
+                                if lane < valid:
+                                    gsum[0] = scan[0] * gl_s[lane]
+                                    scan[0] = scan[0] * gd_s[lane]
+                                    gsum[1] = scan[0]
+                                if lane + 32 < valid:
+                                    gsum[0] += scan[1] * gl_s[lane + 32]
+                                    scan[1] = scan[1] * gd_s[lane + 32]
+                                    gsum[1] += scan[1]
+                                gsum[0] = T.warp_reduce_sum(gsum[0])
+                                gsum[1] = T.warp_reduce_sum(gsum[1])
+                                if lane == 0:
+                                    gate_part[0, h, bc] = gsum[0]
+                                    gate_part[1, h, bc] = gsum[1]
                             if lane < valid:
                                 dg[t0 + lane, h] = scan[0]
                                 dbeta[t0 + lane, h] = db_s[lane]
@@ -524,6 +573,11 @@ def build(dtype: str, K: int, V: int):
                     heads += R
                     items += 1
                     ahead = T.if_then_else(nvalid > 0, 1, 0)
+                elif (gate_mode & GATE) != 0:  # a slot past the last chunk: its partial sums are 0
+                    for rr in T.serial(T.ceildiv(R, THREADS)):
+                        if rr * THREADS + tid < R:
+                            gate_part[0, hk * R + rr * THREADS + tid, bc] = 0.0
+                            gate_part[1, hk * R + rr * THREADS + tid, bc] = 0.0
             T.tma_store_wait()  # the last item's dq / dk stores have read q_s / k_s before the CTA exits
 
     return gdn_bwd_chunk

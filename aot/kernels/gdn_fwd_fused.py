@@ -13,7 +13,8 @@ Warpgroups (threads):
              32 registers a thread that let the aux fit beside two consumers;
   aux        one warpgroup: the chunk-local products and the inverse for the chunks ahead (BV = 128: one product
              accumulator at a time);
-  producer   one warp: q, k, v by TMA, g / beta by plain loads (0 past the sequence end), gamma, eg, et.
+  producer   one warp: q, k, v by TMA, g / beta by plain loads (0 past the sequence end; FLA's gate / beta
+             activations applied there with gate_mode, aot/kernels/gate_act.py), gamma, eg, et.
 Stage s (chunk c, s = c % STAGES): full[s] (producer -> aux: inputs landed), ready[s] (aux -> consumers: Agb, P
 written), empty[s] (consumers -> producer: the stage may be refilled). The aux writes a stage's Agb / P only after
 full[s], which the producer signals only after empty[s]: the consumers are done with that stage's previous chunk.
@@ -32,6 +33,7 @@ from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS
+from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_log
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 
 C = 64
@@ -93,6 +95,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         v: T.Tensor((NT, Hv, V), dt),
         g: T.Tensor((NT, Hv), "float32"),
         beta: T.Tensor((NT, Hv), "float32"),
+        A_log: T.Tensor((Hv,), "float32"),    # gate_mode's per-head parameters (gate_act.py)
+        dt_bias: T.Tensor((Hv,), "float32"),
         # a state's K x V floats flat ([K, V], or [V, K] with state_mode & V_FIRST); rows: sequences or pool slots
         h0: T.Tensor((H0R, Hv, K * V), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
@@ -103,6 +107,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         use_h0: T.int32,
         store_ht: T.int32,
         state_mode: T.int32,
+        gate_mode: T.int32,
     ):
         with T.Kernel(T.min(N * Hv * NB, PERSISTENT_CTAS), threads=THREADS, prelude=PREFETCH_L2) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
@@ -183,6 +188,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             row = lane + u * 32
                             gv[u] = T.if_then_else(t0 + row < eos, g[t0 + row, h], 0.0)
                             bv_[u] = T.if_then_else(t0 + row < eos, beta[t0 + row, h], 0.0)
+                            # FLA's activations (gate_act.py; a CTA-uniform branch), valid rows only
+                            if (gate_mode & GATE) != 0 and t0 + row < eos:
+                                gv[u] = gate_log(gv[u], A_log[h], dt_bias[h], gate_mode)
+                            if (gate_mode & BETA_SIGMOID) != 0 and t0 + row < eos:
+                                bv_[u] = beta_act(bv_[u], gate_mode)
                         # gamma = the chunk-local cumsum of g (0 past the end, so it stays at the last value), in log2
                         # units: a scan across the lanes of each half, then the first half's total onto the second.
                         # The producer warp waits most of the time; the aux warpgroup's chunk is the critical path.

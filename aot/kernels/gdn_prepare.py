@@ -14,6 +14,8 @@ The recurrence kernel (gdn_fwd_chain) then keeps only the state-dependent chain.
 optional l2norm of their rows, g / beta and both 64 x 64 x K products are shared by the group; beta scales
 K K^T's rows per head). Chunks are numbered across the packed batch (chunk_offsets[n] = first chunk of
 sequence n, a device-side cumsum of ceil(len / 64)); nothing is read on the host.
+gate_mode (aot/kernels/gate_act.py): FLA's use_gate_in_kernel / use_beta_sigmoid_in_kernel applied to g / beta as they
+are loaded, before everything above (the backward's recompute runs this kernel with the same mode).
 Layouts: Agb, P, A are [T, Hv, 64] (rows of each chunk); eg, et, gamma live head-major in 256-byte-aligned
 64-slot tiles per chunk, [Hv, chunk slot * 64 + row], so the forward streams each as one TMA tile.
 
@@ -26,6 +28,7 @@ import tilelang.language as T
 
 from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS, last_at_most
+from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_log
 from .tile_rows import l2norm_row
 
 C = 64
@@ -74,6 +77,9 @@ def build(dtype: str, K: int, A: str = "solve"):
         k: T.Tensor((NT, Hq, K), dt),
         g: T.Tensor((NT, Hv), "float32"),
         beta: T.Tensor((NT, Hv), "float32"),
+        # gate_mode's per-head parameters (aot/kernels/gate_act.py; unread without GATE / GATE_BIAS)
+        A_log: T.Tensor((Hv,), "float32"),
+        dt_bias: T.Tensor((Hv,), "float32"),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         A: T.Tensor((NT, Hv, C), dt),
@@ -93,6 +99,7 @@ def build(dtype: str, K: int, A: str = "solve"):
         hpc: T.int32,
         l2norm: T.int32,
         g_is_cumsum: T.int32,
+        gate_mode: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
@@ -137,6 +144,7 @@ def build(dtype: str, K: int, A: str = "solve"):
             nrm = T.alloc_local((2,), "float32")
             gcol = T.alloc_local((8,), "float32")
             bcol = T.alloc_local((8,), "float32")
+            gb = T.alloc_local((2,), "float32")  # a loaded g, beta (activated in registers with gate_mode)
             loaded = T.alloc_barrier(THREADS)
             seq = T.alloc_local((2,), "int32")  # the binary search's bounds; seq[0]: this chunk's sequence
             t0 = T.alloc_var("int32")
@@ -170,8 +178,16 @@ def build(dtype: str, K: int, A: str = "solve"):
                     if idx < C * hpc:
                         row = idx // hpc
                         hj = idx % hpc
-                        b_s[hj, row] = T.if_then_else(row < valid, beta[t0 + row, hg * hpc + hj], 0.0)
-                        graw[hj, row] = T.if_then_else(row < valid, g[t0 + row, hg * hpc + hj], 0.0)
+                        gb[0] = T.if_then_else(row < valid, g[t0 + row, hg * hpc + hj], 0.0)
+                        gb[1] = T.if_then_else(row < valid, beta[t0 + row, hg * hpc + hj], 0.0)
+                        # FLA's activations (gate_act.py) before gamma's cumsum, the inverse and bkk_max: beta is
+                        # then in (0, 2), inside the CP bound's range; rows past the end stay 0
+                        if (gate_mode & GATE) != 0 and row < valid:
+                            gb[0] = gate_log(gb[0], A_log[hg * hpc + hj], dt_bias[hg * hpc + hj], gate_mode)
+                        if (gate_mode & BETA_SIGMOID) != 0 and row < valid:
+                            gb[1] = beta_act(gb[1], gate_mode)
+                        b_s[hj, row] = gb[1]
+                        graw[hj, row] = gb[0]
                 T.mbarrier_wait_parity(loaded[0], 0)
                 if l2norm != 0:
                     # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype

@@ -1,0 +1,187 @@
+"""FLA's gate / beta activations fused into the kernels, on the CPU: the mode bits, the gradient formulas the kernels'
+stores use (against autograd through flash_qla/gates.py in float64), what forward / backward pass each kernel for every
+mode (checked against its cubin's parameter list in the manifest), and the API's routing. The results of the kernels
+themselves: tests/test_gpu_gates.py. The CPU path's keywords against the float64 token loop, with every gradient:
+tests/test_dropin.py."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import flash_qla
+from flash_qla import api, gates, loader, manifest
+from flash_qla import backward as bwd
+from flash_qla import forward as fwd
+from flash_qla.tuning import settings
+from flash_qla.validation import validate_inputs
+
+from build_matrix.variants import module_constant
+
+ROOT = Path(__file__).resolve().parent.parent
+GATED = {"gdn_prepare", "gdn_fwd_fused", "gdn_bwd_chunk"}
+
+
+def test_mode_bits_match_the_kernels():
+    for name in ("GATE", "GATE_BIAS", "BETA_SIGMOID", "NEG_EIGVAL", "SOFTPLUS_THRESHOLD"):
+        assert module_constant("gate_act", name) == getattr(gates, name), name
+
+
+def test_kernel_gate_modes():
+    a, b = torch.zeros(4, dtype=torch.bfloat16), torch.ones(4)
+    assert gates.kernel_gate(False, None, None, False, False).mode == 0
+    assert gates.kernel_gate(False, None, None, True, False).mode == gates.BETA_SIGMOID
+    assert gates.kernel_gate(False, None, None, True, True).mode == gates.BETA_SIGMOID | gates.NEG_EIGVAL
+    kg = gates.kernel_gate(True, a, b, False, False)
+    assert kg.mode == gates.GATE | gates.GATE_BIAS and kg.gate
+    assert kg.A_log.dtype == torch.float32 and kg.dt_bias is b  # float32 [Hv] is read as it is
+    kg = gates.kernel_gate(True, b.view(1, 4), None, True, False)
+    assert kg.mode == gates.GATE | gates.BETA_SIGMOID and kg.dt_bias is None and kg.A_log.shape == (4,)
+    stand_in = torch.zeros(3)
+    assert kg.pointers(stand_in) == {"A_log": kg.A_log.data_ptr(), "dt_bias": kg.A_log.data_ptr()}
+    assert gates.NO_GATE.pointers(stand_in) == {"A_log": stand_in.data_ptr(), "dt_bias": stand_in.data_ptr()}
+
+
+def _softplus(x):
+    return torch.where(x > gates.SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x.clamp(max=gates.SOFTPLUS_THRESHOLD))))
+
+
+@pytest.mark.parametrize("neg", [False, True])
+def test_store_formulas_match_autograd(neg):
+    """gdn_bwd_chunk's stores (aot/kernels/gate_act.py): d g = dg_log * (-exp(A_log) sigmoid(g + dt_bias)), 1 for the
+    sigmoid above softplus's threshold; dA_log = sum dg_log * g_log; d dt_bias = sum d g; d b = dbeta beta (1 - beta /
+    m). Checked in float64 against autograd through gates.py, on gates past the threshold and large logits."""
+    gen = torch.Generator().manual_seed(0)
+    T, Hv = 300, 3
+    g = torch.randn(T, Hv, generator=gen, dtype=torch.float64) * 8
+    g[:10] = 19.0 + torch.arange(30, dtype=torch.float64).view(10, 3) * 0.2  # both sides of the threshold
+    b = torch.randn(T, Hv, generator=gen, dtype=torch.float64) * 6
+    b[:4] = torch.tensor([30.0, -30.0, 80.0], dtype=torch.float64)
+    A_log = torch.randn(Hv, generator=gen, dtype=torch.float64)
+    dt_bias = torch.randn(Hv, generator=gen, dtype=torch.float64)
+    dglog = torch.randn(T, Hv, generator=gen, dtype=torch.float64)
+    dbeta = torch.randn(T, Hv, generator=gen, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (g, A_log, dt_bias, b)]
+    g_log = gates.gdn_gate(leaves[0], leaves[1], leaves[2])
+    beta = gates.beta_from_logits(leaves[3], neg)
+    want = torch.autograd.grad([g_log, beta], leaves, [dglog, dbeta])
+
+    x = g + dt_bias
+    slope = -torch.exp(A_log) * torch.where(x > gates.SOFTPLUS_THRESHOLD, torch.ones_like(x), torch.sigmoid(x))
+    glog = -torch.exp(A_log) * _softplus(x)
+    m = 2.0 if neg else 1.0
+    act = torch.sigmoid(b) * m
+    got = (dglog * slope, (dglog * glog).sum(0), (dglog * slope).sum(0), dbeta * act * (1 - act / m))
+    for n, a, w in zip(("d g", "dA_log", "d dt_bias", "d b"), got, want):
+        assert torch.allclose(a, w, rtol=1e-12, atol=1e-300), n
+    assert torch.allclose(glog, g_log.detach(), rtol=1e-14, atol=0)
+
+
+def test_gate_sums_adds_the_slots():
+    part = torch.arange(2 * 3 * 5, dtype=torch.float32).view(2, 3, 5)
+    da, dd = bwd.gate_sums(part)
+    assert torch.equal(da, part[0].sum(-1)) and torch.equal(dd, part[1].sum(-1))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of the forward / backward on CPU tensors, its arguments built by the manifest's rules."""
+    seen = []
+    builders = {}
+
+    def record(name, variant, device, sizes, pointers, stream=None):
+        kernel = loader.library().kernel(name, **variant)
+        if kernel.key not in builders:
+            builders[kernel.key] = manifest.compile_arg_builder(kernel.entry)
+        builders[kernel.key](sizes, pointers)  # KeyError naming a missing size or pointer
+        seen.append((name, dict(sizes), dict(pointers)))
+
+    for mod in (fwd, bwd):
+        monkeypatch.setattr(mod, "launch", record)
+        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
+        monkeypatch.setattr(mod, "num_sms", lambda device: 132)
+        monkeypatch.setattr(mod, "join", lambda a, b: None)
+    monkeypatch.setattr(settings, "save_chain_beside_dh", False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return seen
+
+
+def _inputs(N=3, tokens=40, hq=2, hv=4):
+    T = N * tokens
+    bf16 = torch.bfloat16
+    x = dict(q=torch.randn(1, T, hq, 128).to(bf16), k=torch.randn(1, T, hq, 128).to(bf16),
+             v=torch.randn(1, T, hv, 128).to(bf16), g=torch.randn(1, T, hv), beta=torch.randn(1, T, hv),
+             cu=torch.arange(0, T + 1, tokens, dtype=torch.int32), A_log=torch.randn(hv), dt_bias=torch.randn(hv))
+    return validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, x["cu"]), x
+
+
+MODES = [gates.NO_GATE.mode, gates.GATE, gates.GATE | gates.GATE_BIAS | gates.BETA_SIGMOID,
+         gates.BETA_SIGMOID | gates.NEG_EIGVAL]
+
+
+def _gate(mode, x):
+    return gates.KernelGate(mode, x["A_log"] if mode & gates.GATE else None,
+                            x["dt_bias"] if mode & gates.GATE_BIAS else None)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_passes_the_mode(launches, monkeypatch, fused, mode):
+    monkeypatch.setattr(settings, "use_fused", fused)
+    problem, x = _inputs()
+    gate = _gate(mode, x)
+    fwd.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, True, x["cu"], False, gate=gate)
+    gated = [(n, s, p) for n, s, p in launches if n in GATED]
+    assert [n for n, _, _ in gated] == (["gdn_fwd_fused"] if fused else ["gdn_prepare"])
+    for n, s, p in gated:
+        assert s["gate_mode"] == mode
+        assert p["g"] == x["g"].data_ptr()
+        if mode & gates.GATE:
+            assert p["A_log"] == x["A_log"].data_ptr()
+            assert p["dt_bias"] == (x["dt_bias"] if mode & gates.GATE_BIAS else x["A_log"]).data_ptr()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_passes_the_mode(launches, mode):
+    problem, x = _inputs()
+    gate = _gate(mode, x)
+    do = torch.randn_like(x["v"])
+    out = bwd.backward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu"], False, do, None, gate=gate)
+    assert len(out) == (7 if mode & gates.GATE else 6)
+    by_name = {n: (s, p) for n, s, p in launches if n in GATED}
+    assert set(by_name) == {"gdn_prepare", "gdn_bwd_chunk"}
+    for n, (s, p) in by_name.items():
+        assert s["gate_mode"] == mode, n
+        assert p["g"] == x["g"].data_ptr(), n  # the recompute and the chunk stage read the raw g
+    s, p = by_name["gdn_bwd_chunk"]
+    if mode & gates.GATE:
+        slots = -(-problem.tokens // 64) + problem.num_seqs
+        assert tuple(out[6].shape) == (2, problem.num_v_heads, slots) and p["gate_part"] == out[6].data_ptr()
+
+
+def test_api_routes_the_mode_to_the_kernels(monkeypatch):
+    """The kernel path gets the raw g / beta and the KernelGate; the reference gets gates.py's torch pass."""
+    seen = {}
+
+    class FakeOps:
+        @staticmethod
+        def chunk_gated_delta_rule(problem, q, k, v, g, beta, h0, need_final, cu, l2norm, cu_seqlens_cpu=None,
+                                   state_io=None, auto_cp=None, gate=gates.NO_GATE):
+            seen.update(g=g, beta=beta, gate=gate)
+            return torch.zeros_like(v), None
+
+    monkeypatch.setattr(api, "_kernel_ops", lambda: FakeOps)
+    monkeypatch.setattr(api, "select_backend", lambda device, backend: "kernels")
+    problem, x = _inputs(N=1)
+    flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True,
+                                     A_log=x["A_log"], dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True,
+                                     allow_neg_eigval=True)
+    assert seen["g"] is x["g"] and seen["beta"] is x["beta"]
+    assert seen["gate"].mode == gates.GATE | gates.GATE_BIAS | gates.BETA_SIGMOID | gates.NEG_EIGVAL
+    assert seen["gate"].A_log is x["A_log"] and seen["gate"].dt_bias is x["dt_bias"]
+    seen.clear()
+    monkeypatch.setattr(api, "select_backend", lambda device, backend: "reference")
+    o = flash_qla.chunk_gated_delta_rule(x["q"].float(), x["k"].float(), x["v"].float(), x["g"], x["beta"],
+                                         use_gate_in_kernel=True, A_log=x["A_log"], use_beta_sigmoid_in_kernel=True)[0]
+    ref = flash_qla.chunk_gated_delta_rule(x["q"].float(), x["k"].float(), x["v"].float(),
+                                           gates.gdn_gate(x["g"], x["A_log"]), torch.sigmoid(x["beta"]))[0]
+    assert not seen and torch.equal(o, ref)
