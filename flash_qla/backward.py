@@ -184,7 +184,8 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     dbeta, dg = (empty(B, Tb, Hv, device=dev, dtype=torch.float32, output=name) for name in ("dbeta", "dg"))
     gate = saved.get("gate", NO_GATE)
     # with the raw gate: dA_log's and dt_bias's partial sums per (chunk slot, v-head), all written by the kernel
-    part = empty(2, Hv, saved["TC"] // CHUNK, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
+    part = (empty(2, Hv, saved["TC"] // CHUNK, device=dev, dtype=torch.float32, output="gate_part") if gate.gate
+            else None)
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
     ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,6 +84,7 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="the code's commit, recorded in the JSON")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new rows after this many seconds")
+    p.add_argument("--split", action="store_true", help="also each kernel's profiler time per call (plain / fused)")
     args = p.parse_args()
     from flash_qla.bench.inputs import draw_inputs
     from flash_qla.bench.matrix import iter_rows, load_matrix
@@ -91,9 +93,9 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     t_start = time.time()
     results = []
-    for row in iter_rows(load_matrix(), ("fwd",), ""):
-        if not any(w in row.key for w in args.rows):
-            continue
+    every = list(iter_rows(load_matrix(), ("fwd",), ""))
+    chosen = list(dict.fromkeys(r for w in args.rows for r in every if w in r.key))  # in the order asked
+    for row in chosen:
         if args.budget_s is not None and time.time() - t_start > args.budget_s:
             print(f"budget: {row.key} not run", file=sys.stderr)
             continue
@@ -117,6 +119,10 @@ def main() -> None:
                 entry[pass_ + "_ratio"] = {a: round(m / med["plain"], 4) for a, m in med.items() if a != "plain"}
             if errors:
                 entry[pass_ + "_errors"] = errors
+            if args.split:
+                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                from kernel_split import split
+                entry[pass_ + "_kernels"] = {a: split(runs[a]) for a in ("plain", "fused")}
         print(json.dumps(entry), flush=True)
         results.append(entry)
     out = {"what": "graph medians (ms) of the fused gate / beta activations against a plain call, and the ratios",

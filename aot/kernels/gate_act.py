@@ -18,32 +18,58 @@ GATE_BIAS = 2
 BETA_SIGMOID = 4
 NEG_EIGVAL = 8
 SOFTPLUS_THRESHOLD = 20.0
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
-def gate_arg(g, a_log, dt_bias, mode):
+def gate_arg(g, dt_bias, mode):
     """g + dt_bias (dt_bias only where given): softplus's argument."""
     return g + T.if_then_else((mode & GATE_BIAS) != 0, dt_bias, T.float32(0))
 
 
-def softplus(x):
-    """log(1 + exp(x)), x itself above the threshold (as torch.nn.functional.softplus)."""
-    return T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(T.min(x, SOFTPLUS_THRESHOLD))))
+def exp_neg_abs(x):
+    """exp(-|x|) in (0, 1]: softplus and sigmoid both come from it (one exp2, no overflow)."""
+    return T.exp2(-T.abs(x) * LOG2E)
 
 
-def sigmoid(x):
-    return T.float32(1) / (T.float32(1) + T.exp(-x))
+def softplus(x, y):
+    """log(1 + exp(x)) = max(x, 0) + log(1 + exp(-|x|)) (y = exp_neg_abs(x)), x itself above the threshold as
+    torch.nn.functional.softplus. The hardware log2 of 1 + y: its absolute error (~1e-7) is below g's float32
+    rounding next to any decay that matters (log1p's extra digits only refine terms under 1e-7)."""
+    return T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.max(x, T.float32(0)) + T.log2(T.float32(1) + y) * LN2)
+
+
+def sigmoid(x, y):
+    """1 / (1 + exp(-x)) from y = exp_neg_abs(x): exp(-|x|) / (1 + exp(-|x|)) below 0, so small values keep their
+    digits."""
+    return T.if_then_else(x >= 0, T.float32(1), y) / (T.float32(1) + y)
 
 
 def gate_log(g, a_log, dt_bias, mode):
     """g_log = -exp(A_log) * softplus(g + dt_bias) from the raw gate g."""
-    return -T.exp(a_log) * softplus(gate_arg(g, a_log, dt_bias, mode))
+    x = gate_arg(g, dt_bias, mode)
+    return -T.exp2(a_log * LOG2E) * softplus(x, exp_neg_abs(x))
 
 
-def gate_slope(g, a_log, dt_bias, mode):
-    """d g_log / d g = -exp(A_log) * sigmoid(g + dt_bias) (1 in place of the sigmoid above the threshold, as
-    torch's softplus backward)."""
-    x = gate_arg(g, a_log, dt_bias, mode)
-    return -T.exp(a_log) * T.if_then_else(x > SOFTPLUS_THRESHOLD, T.float32(1), sigmoid(x))
+def neg_rate(a_log):
+    """-exp(A_log): g_log's factor (once per head)."""
+    return -T.exp2(a_log * LOG2E)
+
+
+def head_bias(dt_bias, mode):
+    """dt_bias, or 0 without GATE_BIAS (the load reads a valid stand-in address either way)."""
+    return T.if_then_else((mode & GATE_BIAS) != 0, dt_bias, T.float32(0))
+
+
+def gate_decay(g, rate, bias):
+    """gate_log with the head's factors made once: rate = neg_rate(A_log), bias = head_bias(dt_bias)."""
+    x = g + bias
+    return rate * softplus(x, exp_neg_abs(x))
+
+
+def softplus_slope(x, y):
+    """d softplus / dx: sigmoid(x), 1 above the threshold (torch's softplus backward)."""
+    return T.if_then_else(x > SOFTPLUS_THRESHOLD, T.float32(1), sigmoid(x, y))
 
 
 def beta_scale(mode):
@@ -52,7 +78,7 @@ def beta_scale(mode):
 
 def beta_act(b, mode):
     """sigmoid(b), times 2 with NEG_EIGVAL."""
-    return sigmoid(b) * beta_scale(mode)
+    return sigmoid(b, exp_neg_abs(b)) * beta_scale(mode)
 
 
 def beta_slope(beta, mode):

@@ -36,7 +36,7 @@ no atomics. The raw g and the parameters load with the head's other row scalars,
 import tilelang.language as T
 
 from .common import L2NORM_EPS
-from .gate_act import BETA_SIGMOID, GATE, beta_act, beta_slope, gate_log, gate_slope
+from .gate_act import BETA_SIGMOID, GATE, GATE_BIAS, beta_act, beta_slope, exp_neg_abs, softplus, softplus_slope
 
 C = 64
 BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
@@ -212,8 +212,6 @@ def build(dtype: str, K: int, V: int):
             dbr = T.alloc_fragment((C,), "float32")
             etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
-            gl_s = T.alloc_shared((C,), "float32")  # GATE: each row's g_log
-            gd_s = T.alloc_shared((C,), "float32")  # GATE: each row's d g_log / d g
             dd_s = T.alloc_shared((C,), "float32")  # the A part's diagonal dAgb_ii A_ii (dbeta's; no gamma term)
             acc = T.alloc_var("float32")
             hh = T.alloc_var("float32")
@@ -238,7 +236,8 @@ def build(dtype: str, K: int, V: int):
             scan = T.alloc_local((2,), "float32")   # warp 0's dg scan: rows lane and lane + 32
             et_part = T.alloc_local((1,), "float32")
             moved = T.alloc_local((2,), "float32")
-            # a head's gamma, gamma_last, beta for row tid; with GATE its raw g, A_log, dt_bias
+            # a head's gamma, gamma_last, beta for row tid; with GATE its raw g, A_log, dt_bias (then its g_log and
+            # d g_log / d g)
             rowv = T.alloc_local((6,), "float32")
             gsum = T.alloc_local((2,), "float32")  # GATE: warp 0's dA_log / dt_bias terms of a chunk
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
@@ -299,6 +298,7 @@ def build(dtype: str, K: int, V: int):
                         rowv[0] = 0.0
                         rowv[1] = 0.0
                         rowv[2] = 0.0
+                        rowv[5] = 0.0
                         if tid < C:
                             rowv[0] = gam_t[h, bc * C + tid]
                             rowv[1] = gam_t[h, bc * C + valid - 1]
@@ -307,7 +307,8 @@ def build(dtype: str, K: int, V: int):
                                 if (gate_mode & GATE) != 0:
                                     rowv[3] = g[t0 + tid, h]
                                     rowv[4] = A_log[h]
-                                    rowv[5] = dt_bias[h]
+                                    if (gate_mode & GATE_BIAS) != 0:
+                                        rowv[5] = dt_bias[h]
                         T.clear(dqf)
                         T.clear(dkf)
                         T.clear(dks)
@@ -363,8 +364,13 @@ def build(dtype: str, K: int, V: int):
                             b_s[tid] = T.if_then_else((gate_mode & BETA_SIGMOID) != 0 and tid < valid,
                                                       beta_act(rowv[2], gate_mode), rowv[2])
                             if (gate_mode & GATE) != 0 and tid < valid:
-                                gl_s[tid] = gate_log(rowv[3], rowv[4], rowv[5], gate_mode)
-                                gd_s[tid] = gate_slope(rowv[3], rowv[4], rowv[5], gate_mode)
+                                # x = g + dt_bias, y = exp(-|x|), -exp(A_log); then (registers only: shared memory is
+                                # full) rowv[2] = d g_log / d g and rowv[3] = g_log, kept for the stores
+                                rowv[3] = rowv[3] + rowv[5]
+                                rowv[5] = exp_neg_abs(rowv[3])
+                                rowv[4] = -T.exp2(rowv[4] * LOG2E)
+                                rowv[2] = rowv[4] * softplus_slope(rowv[3], rowv[5])
+                                rowv[3] = rowv[4] * softplus(rowv[3], rowv[5])
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
                         if r == 0:  # q / k's first use in this item
                             T.barrier_arrive(qk_bar[0])
@@ -443,6 +449,9 @@ def build(dtype: str, K: int, V: int):
                         if tid < C:
                             dg_s[tid] = r23_s[tid] + ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
                             db_s[tid] = dbc_s[tid] + dd_s[tid]
+                            if (gate_mode & GATE) != 0:  # row tid's g_log and slope where it has just read its sums
+                                cp_s[tid] = rowv[3]
+                                dbc_s[tid] = rowv[2]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -501,13 +510,14 @@ def build(dtype: str, K: int, V: int):
                                 # head), summed over the slots by the host in a fixed order (no float atomics)
                                 gsum[0] = 0.0
                                 gsum[1] = 0.0
+                                # (cp_s: each row's g_log, dbc_s: its d g_log / d g, written by the row's thread)
                                 if lane < valid:
-                                    gsum[0] = scan[0] * gl_s[lane]
-                                    scan[0] = scan[0] * gd_s[lane]
+                                    gsum[0] = scan[0] * cp_s[lane]
+                                    scan[0] = scan[0] * dbc_s[lane]
                                     gsum[1] = scan[0]
                                 if lane + 32 < valid:
-                                    gsum[0] += scan[1] * gl_s[lane + 32]
-                                    scan[1] = scan[1] * gd_s[lane + 32]
+                                    gsum[0] += scan[1] * cp_s[lane + 32]
+                                    scan[1] = scan[1] * dbc_s[lane + 32]
                                     gsum[1] += scan[1]
                                 gsum[0] = T.warp_reduce_sum(gsum[0])
                                 gsum[1] = T.warp_reduce_sum(gsum[1])

@@ -33,7 +33,7 @@ from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
 from .common import L2NORM_EPS
-from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_log
+from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 
 C = 64
@@ -170,6 +170,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     hk = h // (Hv // Hq)
+                    # the item's head's -exp(A_log), dt_bias (gate_mode's GATE; made again when the item changes)
+                    hp = T.alloc_local((2,), "float32")
+                    hp[0] = 0.0
+                    hp[1] = 0.0
+                    if (gate_mode & GATE) != 0:
+                        hp[0] = neg_rate(A_log[h])
+                        hp[1] = head_bias(dt_bias[h], gate_mode)
                     for c in T.serial(chunks):
                         # the item that holds the CTA's chunk c (an item of no chunk is passed over)
                         while c - cb >= T.ceildiv(eos - bos, C):
@@ -181,6 +188,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             bos = cu_seqlens[n]
                             eos = cu_seqlens[n + 1]
                             hk = h // (Hv // Hq)
+                            if (gate_mode & GATE) != 0:
+                                hp[0] = neg_rate(A_log[h])
+                                hp[1] = head_bias(dt_bias[h], gate_mode)
                         s = c % stages
                         t0 = bos + (c - cb) * C
                         # g / beta (strided: one 4-byte load per token) fetched before the wait for the stage
@@ -190,7 +200,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             bv_[u] = T.if_then_else(t0 + row < eos, beta[t0 + row, h], 0.0)
                             # FLA's activations (gate_act.py; a CTA-uniform branch), valid rows only
                             if (gate_mode & GATE) != 0 and t0 + row < eos:
-                                gv[u] = gate_log(gv[u], A_log[h], dt_bias[h], gate_mode)
+                                gv[u] = gate_decay(gv[u], hp[0], hp[1])
                             if (gate_mode & BETA_SIGMOID) != 0 and t0 + row < eos:
                                 bv_[u] = beta_act(bv_[u], gate_mode)
                         # gamma = the chunk-local cumsum of g (0 past the end, so it stays at the last value), in log2
