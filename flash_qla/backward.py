@@ -34,6 +34,7 @@ from .validation import Problem, validate_inputs
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
+GATE_CHUNK_KERNEL = "gdn_bwd_chunk_gate"  # the same with FLA's activations compiled in (gate_mode)
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
@@ -189,7 +190,8 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
     ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)
-    launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
+    kernel = GATE_CHUNK_KERNEL if gate.mode else CHUNK_KERNEL
+    launch(kernel, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
                 dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas, gate_mode=gate.mode),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),

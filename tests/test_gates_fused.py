@@ -18,7 +18,7 @@ from flash_qla.validation import validate_inputs
 from build_matrix.variants import module_constant
 
 ROOT = Path(__file__).resolve().parent.parent
-GATED = {"gdn_prepare", "gdn_fwd_fused", "gdn_bwd_chunk"}
+GATED = {"gdn_prepare", "gdn_fwd_fused", "gdn_bwd_chunk", "gdn_bwd_chunk_gate"}
 
 
 def test_mode_bits_match_the_kernels():
@@ -148,11 +148,12 @@ def test_backward_passes_the_mode(launches, mode):
     out = bwd.backward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu"], False, do, None, gate=gate)
     assert len(out) == (7 if mode & gates.GATE else 6)
     by_name = {n: (s, p) for n, s, p in launches if n in GATED}
-    assert set(by_name) == {"gdn_prepare", "gdn_bwd_chunk"}
+    chunk = "gdn_bwd_chunk_gate" if mode else "gdn_bwd_chunk"  # the plain build leaves the mode's code out
+    assert set(by_name) == {"gdn_prepare", chunk}
     for n, (s, p) in by_name.items():
         assert s["gate_mode"] == mode, n
         assert p["g"] == x["g"].data_ptr(), n  # the recompute and the chunk stage read the raw g
-    s, p = by_name["gdn_bwd_chunk"]
+    s, p = by_name[chunk]
     if mode & gates.GATE:
         slots = -(-problem.tokens // 64) + problem.num_seqs
         assert tuple(out[6].shape) == (2, problem.num_v_heads, slots) and p["gate_part"] == out[6].data_ptr()

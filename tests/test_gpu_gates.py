@@ -93,9 +93,9 @@ def test_fused_gates_match_the_reference(monkeypatch, lengths, hq, hv, neg, with
     for n, w in want.items():
         ef, ep = rel(fused[n], w), rel(plain[n], w)
         report[n] = f"{ef:.2e}/{ep:.2e}"
-        # as accurate as the same kernels on the torch pass's g / beta (bf16 noise); both near the truth (the per-head
-        # parameters' gradients sum a whole head's terms, a few of them on one-token rows: a looser bar)
-        bound = 5e-2 if n in ("dA_log", "ddt_bias") else 2e-2
+        # as accurate as the same kernels on the torch pass's g / beta (bf16 noise); both near the truth. Tensors of a
+        # few elements (dA_log, dt_bias's gradient, dbeta of a one-token batch) average no noise away: a looser bar
+        bound = 5e-2 if w.numel() < 64 else 2e-2
         if not (ef <= 1.25 * ep + 2e-4 and ef < bound and ep < bound):
             bad.append(n)
     print(lengths, hv, "fused/plain relative L2 to fp64:", report)
