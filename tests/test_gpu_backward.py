@@ -223,11 +223,13 @@ def test_chunk_stage_is_the_same_with_several_items_per_cta(K, V, dtype, monkeyp
     problem, saved, stage = chunk_stage_inputs(x, do, dht)
     items = saved["TC"] // launch.CHUNK * problem.num_qk_heads
     assert items > 7 * 4
-    one_each = [t.clone() for t in backward._chunk_kernel(problem, saved, *stage)]
+    # the gate's partial sums come back as None on a plain call
+    one_each = [None if t is None else t.clone() for t in backward._chunk_kernel(problem, saved, *stage)]
+    assert sum(t is not None for t in one_each) >= 4
     for ctas in (1, 2, 3, 7):
         monkeypatch.setattr(settings, "chunk_ctas_max", ctas)
         got = backward._chunk_kernel(problem, saved, *stage)
-        assert all(torch.equal(a, b) for a, b in zip(got, one_each)), ctas
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, one_each)), ctas
 
 
 @pytest.mark.parametrize("segment_chunks", [0, 2])
