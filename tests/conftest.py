@@ -14,3 +14,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of the forward / backward on CPU tensors, as (name, variant, sizes, pointers), its arguments
+    built by the manifest's rules (a KeyError names a size or pointer the launch left out)."""
+    from flash_qla import backward as bwd
+    from flash_qla import forward as fwd
+    from flash_qla import loader, manifest
+    from flash_qla.tuning import settings
+    seen = []
+    builders = {}
+
+    def record(name, variant, device, sizes, pointers, stream=None):
+        kernel = loader.library().kernel(name, **variant)
+        if kernel.key not in builders:
+            builders[kernel.key] = manifest.compile_arg_builder(kernel.entry)
+        builders[kernel.key](sizes, pointers)
+        seen.append((name, dict(variant), dict(sizes), dict(pointers)))
+
+    for mod in (fwd, bwd):
+        monkeypatch.setattr(mod, "launch", record)
+        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
+        monkeypatch.setattr(mod, "num_sms", lambda device: 132)
+        monkeypatch.setattr(mod, "join", lambda a, b: None)
+    monkeypatch.setattr(settings, "save_chain_beside_dh", False)  # no side stream
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return seen

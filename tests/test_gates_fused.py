@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flash_qla
-from flash_qla import api, gates, loader, manifest
+from flash_qla import api, gates
 from flash_qla import backward as bwd
 from flash_qla import forward as fwd
 from flash_qla.tuning import settings
@@ -82,29 +82,6 @@ def test_gate_sums_adds_the_slots():
     assert torch.equal(da, part[0].sum(-1)) and torch.equal(dd, part[1].sum(-1))
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Every launch of the forward / backward on CPU tensors, its arguments built by the manifest's rules."""
-    seen = []
-    builders = {}
-
-    def record(name, variant, device, sizes, pointers, stream=None):
-        kernel = loader.library().kernel(name, **variant)
-        if kernel.key not in builders:
-            builders[kernel.key] = manifest.compile_arg_builder(kernel.entry)
-        builders[kernel.key](sizes, pointers)  # KeyError naming a missing size or pointer
-        seen.append((name, dict(sizes), dict(pointers)))
-
-    for mod in (fwd, bwd):
-        monkeypatch.setattr(mod, "launch", record)
-        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
-        monkeypatch.setattr(mod, "num_sms", lambda device: 132)
-        monkeypatch.setattr(mod, "join", lambda a, b: None)
-    monkeypatch.setattr(settings, "save_chain_beside_dh", False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    return seen
-
-
 def _inputs(N=3, tokens=40, hq=2, hv=4):
     T = N * tokens
     bf16 = torch.bfloat16
@@ -130,7 +107,7 @@ def test_forward_passes_the_mode(launches, monkeypatch, fused, mode):
     problem, x = _inputs()
     gate = _gate(mode, x)
     fwd.forward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, True, x["cu"], False, gate=gate)
-    gated = [(n, s, p) for n, s, p in launches if n in GATED]
+    gated = [(n, s, p) for n, _, s, p in launches if n in GATED]
     assert [n for n, _, _ in gated] == (["gdn_fwd_fused"] if fused else ["gdn_prepare"])
     for n, s, p in gated:
         assert s["gate_mode"] == mode
@@ -147,7 +124,7 @@ def test_backward_passes_the_mode(launches, mode):
     do = torch.randn_like(x["v"])
     out = bwd.backward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu"], False, do, None, gate=gate)
     assert len(out) == (7 if mode & gates.GATE else 6)
-    by_name = {n: (s, p) for n, s, p in launches if n in GATED}
+    by_name = {n: (s, p) for n, _, s, p in launches if n in GATED}
     chunk = "gdn_bwd_chunk_gate" if mode else "gdn_bwd_chunk"  # the plain build leaves the mode's code out
     assert set(by_name) == {"gdn_prepare", chunk}
     for n, (s, p) in by_name.items():

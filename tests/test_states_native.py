@@ -10,7 +10,7 @@ import torch
 
 from flash_qla import backward as bwd
 from flash_qla import forward as fwd
-from flash_qla import loader, manifest, states
+from flash_qla import states
 from flash_qla.tuning import settings
 from flash_qla.validation import validate_inputs
 
@@ -24,31 +24,6 @@ def test_state_mode_bits_match_the_kernels():
                    for t in n.targets}
     assert kernel_side == {"V_FIRST": states.V_FIRST, "READ_INDEXED": states.READ_INDEXED,
                            "WRITE_INDEXED": states.WRITE_INDEXED}
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Every launch of the forward / backward on CPU tensors, its arguments built by the manifest's rules."""
-    seen = []
-    builders = {}
-
-    def record(name, variant, device, sizes, pointers, stream=None):
-        kernel = loader.library().kernel(name, **variant)
-        if kernel.key not in builders:
-            builders[kernel.key] = manifest.compile_arg_builder(kernel.entry)
-        builders[kernel.key](sizes, pointers)  # KeyError naming a missing size or pointer
-        seen.append((name, dict(variant), dict(sizes), dict(pointers)))
-
-    for mod in (fwd, bwd):
-        monkeypatch.setattr(mod, "launch", record)
-        monkeypatch.setattr(mod, "current_stream", lambda device: 0)
-    monkeypatch.setattr(fwd, "num_sms", lambda device: 132)
-    monkeypatch.setattr(bwd, "num_sms", lambda device: 132)
-    monkeypatch.setattr(fwd, "join", lambda a, b: None)
-    monkeypatch.setattr(bwd, "join", lambda a, b: None)
-    monkeypatch.setattr(settings, "save_chain_beside_dh", False)  # no side stream
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    return seen
 
 
 def inputs(N=4, tokens=8, hq=2, hv=4, K=128, V=128):
