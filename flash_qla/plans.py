@@ -142,6 +142,9 @@ class Recorder:
     def plan(self, results: Sequence[Optional[torch.Tensor]], finish: Callable, device: torch.device) -> "Plan":
         if self.failure is not None:
             raise _Unreplayable(self.failure)
+        if self.workspace > settings.plan_workspace_max:
+            raise _Unreplayable(f"workspace of {self.workspace} bytes above tuning.plan_workspace_max "
+                                f"({settings.plan_workspace_max})")
         views = tuple(self.view(t) for t in results)
         from .loader import native
         nslots = len(self.inputs) + len(self.outputs) + 1

@@ -41,6 +41,10 @@ class Tuning:
     replay: bool = True
     # Plans kept (least recently used dropped first): a serving workload's distinct shapes must not grow memory.
     plan_cache_size: int = 256
+    # A recording whose workspace (every temporary of the call laid end to end, none reused) exceeds this many bytes
+    # is not replayed: such calls (long sequences with many heads) run for milliseconds, so one C crossing saves
+    # nothing that shows, while the caching allocator's reuse of freed temporaries keeps them within memory.
+    plan_workspace_max: int = 1 << 30
     generation: int = dataclasses.field(default=0, repr=False)
 
     def __setattr__(self, name: str, value) -> None:

@@ -67,6 +67,22 @@ def test_low_level_fwd_and_bwd_replay_and_dense_batches():
 
 
 
+def test_a_workspace_above_the_cap_runs_as_written():
+    """A recording whose workspace exceeds tuning.plan_workspace_max is kept as unreplayable: later calls run as
+    written (the caching allocator reuses their freed temporaries), with the same bits."""
+    x = draw(LENGTHS["mixed"], 2, 4, 128, 128, torch.bfloat16, seed=9)
+    with override(replay=False):
+        want = _grads(x, False)
+    with override(plan_workspace_max=0):
+        plans.clear()
+        got = [_grads(x, False) for _ in range(2)]
+        stats = plans.stats()
+    assert stats.get("unreplayable") == 2 and stats.get("as_written") == 2 and not stats.get("replayed"), stats
+    assert any("plan_workspace_max" in r for r in stats["reasons"]), stats
+    for g in got:
+        assert all(torch.equal(a, b) for a, b in zip(g, want))
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16])
 def test_fast_lane_matches_the_full_path(path, beta_dtype):
