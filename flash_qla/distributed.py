@@ -21,32 +21,34 @@ exp(g_t) (I - beta_t k_t k_t^T), K x K) and the entering state's part of o_t is 
 (A_t ... A_1)^T q_t is q_t carried back to the range's start. M and Q come from one pass of the public function from
 the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
   * the main pass (the public ``flash_qla.chunk_gated_delta_rule``: the sm_90a kernels on CUDA, the reference on
-    CPU) runs the whole shard at once, a sequence continued from the previous rank entering with zero state;
-  * beside it (on CUDA a high-priority side stream): the tail window, the last W = ``warmup_tokens`` tokens (all of
-    them where the sequence is shorter on this rank) of a last sequence going on to the next rank, run from zero (or
-    from the user's initial state where the window holds the whole sequence) for (Z, M); the head window, the first
-    W tokens of a first sequence continued from the previous rank, run from the identity for (Q, M);
-  * one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds its whole shard),
-    with a flag saying whether its windows were long enough; the entering state h_in = Z[r - 1] (folded through the
-    M of such ranks, h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the
-    head window holds the whole first sequence.
-The only serial work after the exchange is that bmm and the add. The windows cut the chain where the transition of a
-window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5 of the state entering the window, below
-bf16 resolution. A window longer than SHORT_TOKENS is first tried at SHORT_TOKENS per v-head: where the gate sums to
-<= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the gate (the
-heads of real models, whose gates decay; one host read of the side stream decides); the other heads (g = 0 heads,
-slow gates) run the full window and their bound is measured, the Frobenius norm of their window's M (per head). Past
-the head window the cut also relies on the later factors being non-expansive, as GDN's gates and normalised keys make
-them (not read: checking would mean reading the whole shard's k). Where some window on some rank misses the bound,
-every rank sees the flag after the all-gather and the call runs its boundaries again exactly (windows the whole
-range, transitions chained), which is also what ``warmup_tokens=0`` does from the start. Host reads per forward: the
-gate test (where a window is split) and the flag, both of the side stream while the main pass runs.
+    CPU) runs the whole shard at once, a sequence continued from the previous rank entering with zero state; its
+    final state of the last local sequence is Z, the state this rank hands on;
+  * beside it (on CUDA a high-priority side stream): the head window, the first W = ``warmup_tokens`` tokens of a
+    first sequence continued from the previous rank, run from the identity for (Q, M), and one all-gather of a flag
+    per rank saying whether its window was long enough (one host read, of the side stream);
+  * after the main pass, one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds
+    its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks, h = Z[s] + M[s] h);
+    the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds the whole first
+    sequence.
+The serial work after the main pass is that all-gather, one bmm and the add. The windows cut the chain where the
+transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5 of the state entering
+the window, below bf16 resolution; the same bound on rank r's head window bounds the part of h_in(r) that rank r
+hands on (dropped from Z). A window longer than SHORT_TOKENS is first tried at SHORT_TOKENS per v-head: where the
+gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the
+gate (the heads of real models, whose gates decay; one host read of the side stream decides); the other heads (g = 0
+heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their window's M (per
+head). Past the head window the cut also relies on the later factors being non-expansive, as GDN's gates and
+normalised keys make them (not read: checking would mean reading the whole shard's k). Where some window on some rank
+misses the bound, every rank sees the flag and runs its head window over the whole first sequence, transitions
+chained, which is also what ``warmup_tokens=0`` does from the start. Host reads per forward: the gate test (where a
+window is split) and the flags, both of the side stream while the main pass runs.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
 sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient before its local backward. Beside that
-local backward, the head window's passes are differentiated for the correction's share of dq, dk, dg, dbeta (added
-in place into the first tokens' gradients). Nothing in the backward reads the host.
+local backward (issued before it, unless it needs that exchanged gradient), the head window's passes are
+differentiated for the correction's share of dq, dk, dg, dbeta (added in place into the first tokens' gradients).
+Nothing in the backward reads the host.
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
@@ -62,7 +64,7 @@ import torch.distributed as dist
 
 WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
-WARMUP_TOKENS = 8192              # the head / tail window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
+WARMUP_TOKENS = 8192              # the head window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
 SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
 STATS = collections.Counter()     # linked forward calls, those that had to run their boundaries exactly, windows split
                                   # by the gate and the heads that kept the full length there
@@ -137,7 +139,7 @@ def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens:
 
     cu_seqlens_global: [N + 1] int32/int64 offsets of the whole packed batch (any device); every sequence must hold
     at least one token and the total must be a multiple of the group's size. group: a torch.distributed process
-    group (None: the default group). warmup_tokens: W, the head / tail window's length, beyond which a boundary's
+    group (None: the default group). warmup_tokens: W, the head window's length, beyond which a boundary's
     chain is cut where the window's transition is below e^-10 (else the call runs its boundaries exactly; 0: always
     exact). cu_seqlens_cpu: the same offsets on the host, to skip a device-to-host copy."""
     if not dist.is_available() or not dist.is_initialized():
@@ -176,12 +178,9 @@ def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens:
 
 @dataclass(frozen=True)
 class _Layout:
-    """This rank's windows (token counts on this rank) for one call."""
+    """This rank's head window (token counts on this rank) for one call."""
     head: int            # first tokens of local sequence 0 run from the identity (0: the sequence starts here)
-    tail: int            # last tokens of the last local sequence run for its leaving state (0: it ends here)
     head_covers: bool    # the head window holds all of local sequence 0 on this rank
-    tail_covers: bool    # the tail window holds all of the last local sequence on this rank
-    tail_own: bool       # the last local sequence starts on this rank (its initial state is the user's)
     transit: bool        # this rank lies inside one sequence going on both ways
     carry_m: bool        # transitions travel: some rank lies inside one sequence and its window holds the shard
     exact: bool          # every window holds its whole range
@@ -191,13 +190,10 @@ def _layout(ctx: "CPContext", exact: bool) -> _Layout:
     W = ctx.warmup_tokens
     exact = exact or W == 0
     n0 = int(ctx.cu_seqlens_cpu[1])
-    n_last = ctx.part_len - int(ctx.cu_seqlens_cpu[-2])
     head = (n0 if exact else min(n0, W)) if ctx.pre_num_ranks > 0 else 0
-    tail = (n_last if exact else min(n_last, W)) if ctx.post_num_ranks > 0 else 0
     carry = (exact or ctx.part_len <= W) and any(ctx.transit(r) for r in range(ctx.world_size))
-    return _Layout(head=head, tail=tail, head_covers=head > 0 and head == n0, tail_covers=tail > 0 and tail == n_last,
-                   tail_own=ctx.num_seqs > 1 or ctx.pre_num_ranks == 0, transit=ctx.transit(ctx.rank),
-                   carry_m=carry, exact=exact)
+    return _Layout(head=head, head_covers=head > 0 and head == n0, transit=ctx.transit(ctx.rank), carry_m=carry,
+                   exact=exact)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,14 +228,6 @@ def _eye(K: int, H: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return eye
 
 
-def _can_widen(call: _Call, v, K: int) -> bool:
-    """One pass can carry v and the identity side by side where the kernels are built for width V + K."""
-    if call.backend == "reference" or v.device.type != "cuda":
-        return True
-    from .launch import supported_head_dims
-    return (K, v.shape[3] + K) in supported_head_dims()
-
-
 def _select(call: _Call, idx: Optional[torch.Tensor], x, with_v: bool = True):
     """(q, k[, v], g, beta) restricted to the v-heads ``idx`` (q / k heads repeated per v-head); None: all heads."""
     q, k, v, g, beta = x
@@ -248,20 +236,6 @@ def _select(call: _Call, idx: Optional[torch.Tensor], x, with_v: bool = True):
     qk = torch.div(idx, call.group_size, rounding_mode="floor")
     head = (q.index_select(2, qk), k.index_select(2, qk))
     return head + ((v.index_select(2, idx),) if with_v else ()) + (g.index_select(2, idx), beta.index_select(2, idx))
-
-
-def _tail_run(call: _Call, x, h0: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(Z [H, K, V], M [H, K, K]): the window's leaving state from h0 [1, H, K, V] and its transition; one pass with
-    v widened by K zero columns and h0 by the identity where the kernels take that width, else two."""
-    q, k, v, g, beta = x
-    H, V = v.shape[2], v.shape[3]
-    eye = _eye(K, H, call.state_dtype, v.device)
-    if _can_widen(call, v, K):
-        _, ht = call.run(q, k, torch.nn.functional.pad(v, (0, K)), g, beta, torch.cat([h0, eye], dim=-1))
-        return ht[0, ..., :V], ht[0, ..., V:]
-    _, z = call.run(q, k, v, g, beta, h0)
-    _, m = call.run(q, k, v.new_zeros(*v.shape[:3], K), g, beta, eye)
-    return z[0], m[0]
 
 
 @dataclass
@@ -410,7 +384,6 @@ class _Boundary:
     h_in: Optional[torch.Tensor]          # [Hv, K, V] the state entering local sequence 0 (None: it starts here)
     ms: Optional[torch.Tensor]            # [world, Hv, K, K] every rank's sent transition (carry_m), or None
     s_corr: Optional[torch.Tensor]        # [Hv, K, V] the entering state's part of local sequence 0's final state
-    missed: torch.Tensor                  # 0-d bool: some rank's window missed the bound
 
 
 def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
@@ -446,63 +419,30 @@ def _leaving_gradient(ctx: "CPContext", Ds, Ms) -> torch.Tensor:
     return d
 
 
-def _long_heads(call: _Call, ctx: "CPContext", lay: _Layout, x):
-    """The v-heads whose tail / head window needs its full length and a measured transition, each as (count, index
-    tensor or None), or None where the window is not split: a window longer than SHORT_TOKENS that does not hold its
-    whole range is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream for both
-    windows; the index tensors are made while the stream is idle)."""
-    split_tail = lay.tail > SHORT_TOKENS and not lay.tail_covers
-    split_head = lay.head > SHORT_TOKENS and not lay.head_covers
-    if not (split_tail or split_head):
-        return None, None
-    P = ctx.part_len
-    tests = ([_gate_bounded(call, x, P - SHORT_TOKENS, P)] if split_tail else []) + (
-        [_gate_bounded(call, x, 0, SHORT_TOKENS)] if split_head else [])
-    bounded = torch.stack(tests).tolist()
-    longs = [[h for h, ok in enumerate(row) if not ok] for row in bounded]
-    STATS["split_windows"] += len(longs)
-    STATS["long_heads"] += sum(map(len, longs))
-    dev = x[0].device
-    longs = [(len(h), torch.tensor(h, dtype=torch.long, device=dev) if 0 < len(h) < len(row) else None)
-             for h, row in zip(longs, bounded)]
-    return (longs.pop(0) if split_tail else None), (longs.pop(0) if split_head else None)
+def _long_heads(call: _Call, lay: _Layout, x):
+    """The v-heads whose head window needs its full length and a measured transition, as (count, index tensor or
+    None), or None where the window is not split: a window longer than SHORT_TOKENS that does not hold its whole
+    sequence is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream; the index
+    tensor is made while the stream is idle)."""
+    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
+        return None
+    bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
+    longs = [h for h, ok in enumerate(bounded) if not ok]
+    STATS["split_windows"] += 1
+    STATS["long_heads"] += len(longs)
+    idx = torch.tensor(longs, dtype=torch.long, device=x[0].device) if 0 < len(longs) < len(bounded) else None
+    return len(longs), idx
 
 
-def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, graph: bool) -> _Boundary:
-    """The tail and head windows, the exchange and the correction by the entering state (run on the side stream)."""
-    q, k, v, g, beta = x
-    P, Hv, K, V = ctx.part_len, v.shape[2], q.shape[3], v.shape[3]
-    sd, dev = call.state_dtype, v.device
-    misses, pieces = [], []
-    with torch.profiler.record_function("cp.forward.boundary"):
-        long_tail, long_head = _long_heads(call, ctx, lay, x)
-        C = M = None
-        if lay.tail:
-            if long_tail is not None and long_tail[0] < Hv:     # the gate bounds the short window for some heads
-                xs = tuple(t[:, P - SHORT_TOKENS:] for t in x)
-                with torch.no_grad():
-                    C = call.run(*xs, torch.zeros(1, Hv, K, V, dtype=sd, device=dev))[1][0]
-                n, idx = long_tail
-                if n:
-                    xs = _select(call, idx, tuple(t[:, P - lay.tail:] for t in x))
-                    with torch.no_grad():
-                        z, m = _tail_run(call, xs, torch.zeros(1, n, K, V, dtype=sd, device=dev), K)
-                    C = C.index_copy(0, idx, z.to(C.dtype))
-                    misses.append(_too_large(m))
-            else:
-                xs = tuple(t[:, P - lay.tail:].detach() for t in x)
-                if lay.tail_own and lay.tail_covers and initial_state is not None:
-                    h0 = initial_state[-1:].detach().to(sd)
-                else:
-                    h0 = torch.zeros(1, Hv, K, V, dtype=sd, device=dev)
-                with torch.no_grad():
-                    C, m = _tail_run(call, xs, h0, K)
-                if not lay.tail_covers:
-                    misses.append(_too_large(m))
-                if lay.carry_m and lay.transit and lay.tail_covers:
-                    M = m
+def _head_windows(call: _Call, lay: _Layout, x, graph: bool) -> Tuple[List[_Piece], torch.Tensor]:
+    """The head window's passes and whether some head's window missed the bound (0-d bool); run on the side
+    stream."""
+    Hv, dev = x[2].shape[2], x[2].device
+    pieces, misses = [], []
+    with torch.profiler.record_function("cp.forward.head_window"):
         if lay.head:
-            if long_head is not None and long_head[0] < Hv:
+            long_head = _long_heads(call, lay, x)
+            if long_head is not None and long_head[0] < Hv:     # the gate bounds the short window for some heads
                 pieces.append(_head_piece(call, x, None, SHORT_TOKENS, 0, graph))
                 if long_head[0]:
                     pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS, graph))
@@ -512,13 +452,22 @@ def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, g
                 if not lay.head_covers:
                     misses.append(_too_large(pieces[-1].m))
         miss = torch.stack(misses).any() if misses else torch.zeros((), dtype=torch.bool, device=dev)
-        parts = [(C if C is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
-        if lay.carry_m:
-            parts.append((M if M is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1).to(sd))
-        parts.append(miss.reshape(1).to(sd))
-        payload = torch.cat(parts)
+    return pieces, miss
+
+
+def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
+              shape: tuple) -> _Boundary:
+    """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
+    sequence; None: that sequence ends here) and, with carry_m, its transition; then the correction by the entering
+    state. Runs on the caller's stream after the main pass. shape: (Hv, K, V, device)."""
+    Hv, K, V, _ = shape
+    sd, dev = call.state_dtype, shape[3]
     with torch.profiler.record_function("cp.forward.exchange"):
-        rows = _all_gather(ctx, payload)
+        parts = [(z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
+        if lay.carry_m:
+            m = pieces[0].m if (lay.transit and lay.head_covers) else None
+            parts.append((m if m is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1).to(sd))
+        rows = _all_gather(ctx, torch.cat(parts) if len(parts) > 1 else parts[0])
     with torch.profiler.record_function("cp.forward.correction"):
         n_c, n_m = Hv * K * V, Hv * K * K
         Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
@@ -530,8 +479,7 @@ def _boundaries(call: _Call, ctx: "CPContext", lay: _Layout, x, initial_state, g
                 p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
                 s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
-        missed = rows[:, -1].amax() > 0
-    return _Boundary(lay, pieces, h_in, Ms, s_corr, missed)
+    return _Boundary(lay, pieces, h_in, Ms, s_corr)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -561,23 +509,30 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             None if h_own is None else h_own.detach().requires_grad_(initial_state.requires_grad),)
     else:
         main_in = tuple(x) + (h_own,)
-    final = want_final or (graph and ctx.post_num_ranks > 0)
+    final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
     with torch.profiler.record_function("cp.forward.local"), torch.set_grad_enabled(graph):
         o_m, ht_m = _run_local(call, ctx, *main_in, final)
-    # beside it: the windows, the exchange and the correction; the host reads wait for this stream alone
+    # beside it: the head window and the bound's flags (the host reads wait for this stream alone)
     STATS["calls"] += 1
     with side:
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        b = _boundaries(call, ctx, _layout(ctx, False), x, initial_state, graph)
-        if bool(b.missed):                          # every rank saw the same flags: all run the boundaries exactly
+        lay = _layout(ctx, False)
+        pieces, miss = _head_windows(call, lay, x, graph)
+        with torch.profiler.record_function("cp.forward.flags"):
+            missed = bool(_all_gather(ctx, miss.reshape(1).to(call.state_dtype)).amax() > 0)
+        if missed:                                  # every rank saw the same flags: all run the boundaries exactly
             STATS["exact_fallback"] += 1
-            b = _boundaries(call, ctx, _layout(ctx, True), x, initial_state, graph)
-        side.hand(b.s_corr, b.h_in, b.ms, *(t for p in b.pieces for t in (p.corr,) + tuple(p.out)))
+            lay = _layout(ctx, True)
+            pieces, _ = _head_windows(call, lay, x, graph)
+        side.hand(*(t for p in pieces for t in p.out))
     side.join()
+    # after the main pass: the exchange of leaving states and the correction
+    z = ht_m.detach()[-1].to(call.state_dtype) if ctx.post_num_ranks > 0 else None
+    b = _exchange(call, ctx, lay, pieces, z, (v.shape[2], q.shape[3], v.shape[3], v.device))
     o = o_m.detach()
     for p in b.pieces:
         if p.corr is not None:
@@ -595,6 +550,38 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             ht[0] += b.s_corr.to(ht.dtype)
     saved = _Saved(main_in, (o_m, ht_m if final else None), b) if graph else None
     return o, ht, saved
+
+
+def _head_window_backward(side: "_Side", ready, b: "_Boundary", do, seed_final, sd):
+    """On the side stream (after the event ``ready``, if any): the gradients of the head window's passes for the
+    correction o += Q h_in (and final += M h_in where seed_final, the gradient of local sequence 0's final state, is
+    given). Returns [(piece, leaf indices, gradients)] to add in once the side stream is joined."""
+    adds = []
+    if not b.pieces or (do is None and seed_final is None):
+        return adds
+    with side, torch.profiler.record_function("cp.backward.correction"):
+        side.wait(ready)
+        if do is not None:
+            side.keep(do)
+        for p in b.pieces:
+            want = [i for i, t in enumerate(p.leaves) if t.requires_grad]
+            if not want:
+                continue
+            outs, seeds = [], []
+            h_t = p.heads(b.h_in, 0).transpose(-1, -2)
+            if do is not None:
+                dq_back = torch.bmm(p.heads(do[0, :p.w], 1).transpose(0, 1), h_t.to(do.dtype))   # [H, w, K]
+                if p.skip:
+                    dq_back[:, :p.skip] = 0           # those tokens' correction is the shorter piece's
+                outs.append(p.out[0])
+                seeds.append(dq_back.transpose(0, 1)[None].to(p.out[0].dtype))
+            if seed_final is not None:
+                outs.append(p.out[1])
+                seeds.append((seed_final[0].to(sd) @ h_t)[None].to(p.out[1].dtype))
+            hgot = torch.autograd.grad(outs, [p.leaves[i] for i in want], seeds, allow_unused=True)
+            side.hand(*hgot)
+            adds.append((p, want, hgot))
+    return adds
 
 
 def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
@@ -624,7 +611,12 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
             dht_all = dht.clone() if dht is not None else \
                 torch.zeros(ctx.num_seqs, Hv, K, V, dtype=ht_m.dtype, device=dev)
             dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
+    # the head window's share of the gradients, beside the local backward: issued first where it needs no
+    # exchanged gradient, so its kernels run before the local backward's fill the SMs
+    covers_seed = lay.head_covers and dht_all is not None
+    early = not covers_seed
     ready = side.mark()
+    adds = _head_window_backward(side, None, b, do, None, sd) if early else []
     # the local backward, with the whole final-state gradient
     with torch.profiler.record_function("cp.backward.local"):
         outs, seeds = [o_m], [do if do is not None else torch.zeros_like(o_m)]
@@ -636,33 +628,9 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
         grads: List[Optional[torch.Tensor]] = [None] * 6
         for i, gr in zip(wanted, got):
             grads[i] = gr
-    # beside it: the head window's share (the correction o += Q h_in, and final += M h_in where it holds sequence 0)
-    adds = []
-    covers_seed = lay.head_covers and dht_all is not None
-    if b.pieces and (do is not None or covers_seed):
-        with side, torch.profiler.record_function("cp.backward.correction"):
-            side.wait(ready)
-            if do is not None:
-                side.keep(do)
-            for p in b.pieces:
-                want = [i for i, t in enumerate(p.leaves) if t.requires_grad]
-                if not want:
-                    continue
-                outs, seeds = [], []
-                h_t = p.heads(b.h_in, 0).transpose(-1, -2)
-                if do is not None:
-                    dq_back = torch.bmm(p.heads(do[0, :p.w], 1).transpose(0, 1), h_t.to(do.dtype))   # [H, w, K]
-                    if p.skip:
-                        dq_back[:, :p.skip] = 0           # those tokens' correction is the shorter piece's
-                    outs.append(p.out[0])
-                    seeds.append(dq_back.transpose(0, 1)[None].to(p.out[0].dtype))
-                if covers_seed:
-                    outs.append(p.out[1])
-                    seeds.append((dht_all[0].to(sd) @ h_t)[None].to(p.out[1].dtype))
-                hgot = torch.autograd.grad(outs, [p.leaves[i] for i in want], seeds, allow_unused=True)
-                side.hand(*hgot)
-                adds.append((p, want, hgot))
-        side.join()
+    if not early:
+        adds = _head_window_backward(side, ready, b, do, dht_all if covers_seed else None, sd)
+    side.join()
     slot = (0, 1, 3, 4)                                  # a piece's leaves (q, k, g, beta) -> input index
     for p, want, hgot in adds:
         for i, hg in zip(want, hgot):
