@@ -46,9 +46,8 @@ Backward, the reverse direction: the gradient of the state entering rank r is D 
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
 sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient before its local backward. Beside that
-local backward (issued before it, unless it needs that exchanged gradient), the head window's passes are
-differentiated for the correction's share of dq, dk, dg, dbeta (added in place into the first tokens' gradients).
-Nothing in the backward reads the host.
+local backward, the head window's passes are differentiated for the correction's share of dq, dk, dg, dbeta (added in
+place into the first tokens' gradients).
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
@@ -611,12 +610,7 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
             dht_all = dht.clone() if dht is not None else \
                 torch.zeros(ctx.num_seqs, Hv, K, V, dtype=ht_m.dtype, device=dev)
             dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
-    # the head window's share of the gradients, beside the local backward: issued first where it needs no
-    # exchanged gradient, so its kernels run before the local backward's fill the SMs
-    covers_seed = lay.head_covers and dht_all is not None
-    early = not covers_seed
     ready = side.mark()
-    adds = _head_window_backward(side, None, b, do, None, sd) if early else []
     # the local backward, with the whole final-state gradient
     with torch.profiler.record_function("cp.backward.local"):
         outs, seeds = [o_m], [do if do is not None else torch.zeros_like(o_m)]
@@ -628,8 +622,10 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
         grads: List[Optional[torch.Tensor]] = [None] * 6
         for i, gr in zip(wanted, got):
             grads[i] = gr
-    if not early:
-        adds = _head_window_backward(side, ready, b, do, dht_all if covers_seed else None, sd)
+    # beside it: the head window's share of the gradients. Issued after the local backward: issued first, its host
+    # work (an autograd pass per window piece) delayed the local backward's start by more than it saved (4 x H100)
+    covers_seed = lay.head_covers and dht_all is not None
+    adds = _head_window_backward(side, ready, b, do, dht_all if covers_seed else None, sd)
     side.join()
     slot = (0, 1, 3, 4)                                  # a piece's leaves (q, k, g, beta) -> input index
     for p, want, hgot in adds:
