@@ -77,7 +77,11 @@ def test_a_workspace_above_the_cap_runs_as_written():
         plans.clear()
         got = [_grads(x, False) for _ in range(2)]
         stats = plans.stats()
-    assert stats.get("unreplayable") == 2 and stats.get("as_written") == 2 and not stats.get("replayed"), stats
+    # two signatures (forward, backward): each recorded once, then replayed or run as written; the backward has
+    # temporaries, so at least it is above a zero cap (a forward with no temporaries has nothing to cap)
+    assert stats.get("recorded", 0) + stats.get("unreplayable", 0) == 2, stats
+    assert stats.get("replayed", 0) + stats.get("as_written", 0) == 2, stats
+    assert stats.get("unreplayable", 0) >= 1 and stats.get("as_written") == stats["unreplayable"], stats
     assert any("plan_workspace_max" in r for r in stats["reasons"]), stats
     for g in got:
         assert all(torch.equal(a, b) for a, b in zip(g, want))
