@@ -1,6 +1,7 @@
 """The launch planner: V blocks (fewest waves x chain cost; narrow only when it adds no wave), gdn_prepare's heads
 per CTA, and the plain forward's plan (fused, prepare + chain or intra-card CP) against committed measurements."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,11 @@ def forward_plan(tokens, n, hq, hv, l2norm=False, fused=FUSED, **pins):
 
 
 @pytest.mark.parametrize("tokens,n,hq,hv,want", [
-    (4096, 1, 24, 96, ("fused", 128)),      # 192 chains of 64 columns take two rounds, 96 of 128 one (1.33x)
+    (4096, 1, 24, 96, ("split", 128)),      # 96 chains of 128 columns in one round; prepare + chain 0.252 ms, fused 0.28+
     (8192, 256, 8, 32, ("split", 128)),     # 256 x 32 tokens: a fused chain's per-chain cost dominates one chunk
     (32768, 1, 2, 8, ("cp", None)),         # TP8 1x32768: 8 chains on 132 SMs
-    (32768, 1, 16, 64, ("fused", 64)),      # TP1 1x32768: 128 chains fill the GPU
-    (32768, 8, 8, 32, ("fused", 128)),      # TP2 4096x8
+    (32768, 1, 16, 64, ("split", 64)),      # TP1 1x32768: 128 chains fill the GPU; the chain kernel's chunk is cheaper
+    (32768, 8, 8, 32, ("split", 128)),      # TP2 4096x8 (0.592 ms; fused 0.607)
 ])
 def test_forward_plan(tokens, n, hq, hv, want):
     plan = forward_plan(tokens, n, hq, hv)
@@ -116,7 +117,8 @@ def _measured(row, plan):
 
 def test_forward_plans_against_the_committed_sweep():
     """Every equal-length shape of the committed H100 sweep (every plan timed, scripts/plan_sweep.py): the plan chosen
-    here costs its measured time; within 3% of the measured best on at least 90% of them and never 1.25x."""
+    here costs its measured time; within 3% of the measured best on at least 89% of them, 1% over the best in the
+    geometric mean, and never 1.2x."""
     ratios = []
     for row in _sweep_rows():
         fused = (64, 128) if not row["l2norm"] else (64,)
@@ -124,7 +126,8 @@ def test_forward_plans_against_the_committed_sweep():
         ratios.append((_measured(row, plan) / min(row["candidates"].values()), row["shape"], row["l2norm"]))
     assert len(ratios) > 250
     close = sum(r <= 1.03 for r, _, _ in ratios) / len(ratios)
-    assert close >= 0.9 and max(ratios)[0] < 1.25, (close, sorted(ratios)[-5:])
+    mean = math.exp(sum(math.log(r) for r, _, _ in ratios) / len(ratios))
+    assert close >= 0.89 and mean <= 1.01 and max(ratios)[0] < 1.2, (close, mean, sorted(ratios)[-5:])
 
 
 @pytest.mark.parametrize("hq,hv,tokens,want", [(4, 8, 8192, 32), (4, 8, 32768, 32), (16, 32, 8192, 64),
