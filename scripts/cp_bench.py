@@ -1,6 +1,7 @@
 """Time context parallelism across GPUs: one sequence of T tokens sharded over 1, 2 or 4 GPUs (one process a GPU,
 NCCL), forward and backward, ours (flash_qla.distributed; the plain single-GPU call at world size 1) or FLA 0.6's
-``fla.ops.cp`` (run with the peers' bundle on PYTHONPATH: scripts/peer_env.sh .peers fla python3 ...).
+``fla.ops.cp`` (run with the peers' site bundle unpacked on PYTHONPATH, e.g. tar -xJf .peers/peers-site.tar.xz -C
+/tmp/peersite; PYTHONPATH=$PWD:/tmp/peersite python3 scripts/cp_bench.py --lib fla ...).
 
 usage: python3 scripts/cp_bench.py --lib ours|fla --out-dir DIR [--worlds 1,2,4] [--tokens 131072,524288,1048576]
                                    [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10] [--commit SHA]
