@@ -42,9 +42,11 @@ class Tuning:
     # Plans kept (least recently used dropped first): a serving workload's distinct shapes must not grow memory.
     plan_cache_size: int = 256
     # A recording whose workspace (every temporary of the call laid end to end, none reused) exceeds this many bytes
-    # is not replayed: such calls (long sequences with many heads) run for milliseconds, so one C crossing saves
-    # nothing that shows, while the caching allocator's reuse of freed temporaries keeps them within memory.
-    plan_workspace_max: int = 1 << 30
+    # is not replayed: such calls (long sequences with many heads: a 256k-token, 64-head backward asks 38 GiB) run for
+    # tens of milliseconds, so one C crossing saves nothing that shows, while the caching allocator's reuse of freed
+    # temporaries keeps them within memory. At 1 GiB the standard 32k-token backward rows ran as written, at twice
+    # the host cost (H100 host_overhead.json).
+    plan_workspace_max: int = 16 << 30
     generation: int = dataclasses.field(default=0, repr=False)
 
     def __setattr__(self, name: str, value) -> None:
