@@ -117,7 +117,8 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
 # gdn_fwd_fused's per-chunk times are the persistent kernel's (H100 sweep of the current build, bench/results/h100/
 # plan_sweep*.jsonl): 2.9 / 4.6 us at BV 64 / 128, up from 2.35 / 3.49 for the one-CTA-per-item kernel it replaced
-# (aot/kernels/gdn_fwd_fused.py; not from its gate code or its L2 prefetch: builds without either time the same)
+# (aot/kernels/gdn_fwd_fused.py; not from its gate code or its L2 prefetch: builds without either time the same; its
+# O store lowers to scalar stores, see docs/performance.md)
 FUSED_FIT_US = {64: (2.9, 5.41), 128: (4.6, 7.85)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
 # walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then
