@@ -182,7 +182,6 @@ class _Layout:
     head_covers: bool    # the head window holds all of local sequence 0 on this rank
     transit: bool        # this rank lies inside one sequence going on both ways
     carry_m: bool        # transitions travel: some rank lies inside one sequence and its window holds the shard
-    exact: bool          # every window holds its whole range
 
 
 def _layout(ctx: "CPContext", exact: bool) -> _Layout:
@@ -191,8 +190,7 @@ def _layout(ctx: "CPContext", exact: bool) -> _Layout:
     n0 = int(ctx.cu_seqlens_cpu[1])
     head = (n0 if exact else min(n0, W)) if ctx.pre_num_ranks > 0 else 0
     carry = (exact or ctx.part_len <= W) and any(ctx.transit(r) for r in range(ctx.world_size))
-    return _Layout(head=head, head_covers=head > 0 and head == n0, transit=ctx.transit(ctx.rank), carry_m=carry,
-                   exact=exact)
+    return _Layout(head=head, head_covers=head > 0 and head == n0, transit=ctx.transit(ctx.rank), carry_m=carry)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -455,12 +453,12 @@ def _head_windows(call: _Call, lay: _Layout, x, graph: bool) -> Tuple[List[_Piec
 
 
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
-              shape: tuple) -> _Boundary:
+              v: torch.Tensor, K: int) -> _Boundary:
     """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
     sequence; None: that sequence ends here) and, with carry_m, its transition; then the correction by the entering
-    state. Runs on the caller's stream after the main pass. shape: (Hv, K, V, device)."""
-    Hv, K, V, _ = shape
-    sd, dev = call.state_dtype, shape[3]
+    state. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device."""
+    Hv, V = v.shape[2], v.shape[3]
+    sd, dev = call.state_dtype, v.device
     with torch.profiler.record_function("cp.forward.exchange"):
         parts = [(z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
         if lay.carry_m:
@@ -530,8 +528,8 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         side.hand(*(t for p in pieces for t in p.out))
     side.join()
     # after the main pass: the exchange of leaving states and the correction
-    z = ht_m.detach()[-1].to(call.state_dtype) if ctx.post_num_ranks > 0 else None
-    b = _exchange(call, ctx, lay, pieces, z, (v.shape[2], q.shape[3], v.shape[3], v.device))
+    z = ht_m.detach()[-1] if ctx.post_num_ranks > 0 else None
+    b = _exchange(call, ctx, lay, pieces, z, v, q.shape[3])
     o = o_m.detach()
     for p in b.pieces:
         if p.corr is not None:
