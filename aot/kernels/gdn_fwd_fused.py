@@ -145,7 +145,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             hk = T.alloc_var("int32")
             h = T.alloc_var("int32")
             n = T.alloc_var("int32")
-            v0 = T.alloc_var("int32")
+            # the item's V block: its columns start at vb * BV, an expression the vectoriser can prove a multiple of
+            # 8 (a variable holding the product could not be, and the O store fell back to scalar stores)
+            vb = T.alloc_var("int32")
             it = T.alloc_var("int32")      # the item of the producer's chunk
             cb = T.alloc_var("int32")      # its first chunk among the CTA's
             chunks = T.alloc_var("int32")  # the CTA's chunks, over all its items
@@ -166,7 +168,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     cb = 0
                     n = cta // (Hv * NB)
                     h = cta // NB % Hv
-                    v0 = cta % NB * BV
+                    vb = cta % NB
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     hk = h // (Hv // Hq)
@@ -184,7 +186,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             it = it + 1
                             n = (cta + it * ctas) // (Hv * NB)
                             h = (cta + it * ctas) // NB % Hv
-                            v0 = (cta + it * ctas) % NB * BV
+                            vb = (cta + it * ctas) % NB
                             bos = cu_seqlens[n]
                             eos = cu_seqlens[n + 1]
                             hk = h // (Hv // Hq)
@@ -219,7 +221,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         # rows past T arrive as zeros; rows of the next sequence are never stored nor reach a valid row
                         T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=full[s])
                         T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=full[s])
-                        T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], v_s[s, :, :], barrier=full[s])
+                        T.tma_copy(v[t0:t0 + C, h, vb * BV:vb * BV + BV], v_s[s, :, :], barrier=full[s])
                         for u in T.unroll(2):
                             row = lane + u * 32
                             g_s[s, row] = gv[u] * LOG2E
@@ -326,7 +328,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 for ci in T.serial(items):
                     n = (cta + ci * ctas) // (Hv * NB)
                     h = (cta + ci * ctas) // NB % Hv
-                    v0 = (cta + ci * ctas) % NB * BV
+                    vb = (cta + ci * ctas) % NB
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
@@ -348,10 +350,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         T.clear(st)
                     elif (state_mode & V_FIRST) != 0:
                         for d, kk_ in T.Parallel(BV, K):
-                            st[d, kk_] = h0[srow, h, (v0 + d) * K + kk_]
+                            st[d, kk_] = h0[srow, h, (vb * BV + d) * K + kk_]
                     else:
                         for d, kk_ in T.Parallel(BV, K):
-                            st[d, kk_] = h0[srow, h, kk_ * V + v0 + d]
+                            st[d, kk_] = h0[srow, h, kk_ * V + vb * BV + d]
                     for c in T.serial(T.ceildiv(eos - bos, C)):
                         s = cc % stages
                         t0 = bos + c * C
@@ -405,15 +407,15 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
                             if row < valid:
                                 for u in T.vectorized(8):
-                                    o[t0 + row, h, v0 + col + u] = o_s[row, col + u]
+                                    o[t0 + row, h, vb * BV + col + u] = o_s[row, col + u]
                         cc = cc + 1
                     srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
                     if store_ht != 0 and srow >= 0:
                         if (state_mode & V_FIRST) != 0:
                             for d, kk_ in T.Parallel(BV, K):
-                                ht[srow, h, (v0 + d) * K + kk_] = st[d, kk_]
+                                ht[srow, h, (vb * BV + d) * K + kk_] = st[d, kk_]
                         else:
                             for d, kk_ in T.Parallel(BV, K):
-                                ht[srow, h, kk_ * V + v0 + d] = st[d, kk_]
+                                ht[srow, h, kk_ * V + vb * BV + d] = st[d, kk_]
 
     return gdn_fwd_fused
