@@ -72,7 +72,7 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 # use_qk_l2norm_in_kernel (H100 fit, scripts/plan_sweep.py --l2norm): gdn_fwd_fused takes Q Q^T and the norms'
 # scalings on its aux warpgroup, L2NORM_FUSED_CHUNK_US more per chunk; gdn_prepare normalises (and stores) each chunk's
 # q / k rows once per q / k head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs
-L2NORM_FUSED_CHUNK_US = 0.608
+L2NORM_FUSED_CHUNK_US = 0.45
 L2NORM_PREPARE_US = 3.71
 
 
@@ -115,23 +115,23 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
 # spreading chunks evenly over the SMs, sends 96 heads of one sequence to BV = 128 (one round; 1.33x faster than two
 # rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
-# gdn_fwd_fused's per-chunk times are the persistent kernel's (H100 sweep of the current build, bench/results/h100/
-# plan_sweep*.jsonl): 2.9 / 4.6 us at BV 64 / 128, up from 2.35 / 3.49 for the one-CTA-per-item kernel it replaced
-# (aot/kernels/gdn_fwd_fused.py; not from its gate code or its L2 prefetch: builds without either time the same; its
-# O store lowers to scalar stores, see docs/performance.md)
-FUSED_FIT_US = {64: (2.9, 5.41), 128: (4.6, 7.85)}       # gdn_fwd_fused: (per chunk, per chain)
+# gdn_fwd_fused's per-chunk times are the persistent kernel's with its O store vectorised (H100 sweep, bench/results/
+# h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py): 2.45 / 3.46 us at BV 64 / 128. With the store lowered to
+# scalar stores (the V block's offset held in a variable TileLang could not prove aligned) they were 2.9 / 4.6.
+FUSED_FIT_US = {64: (2.445, 7.75), 128: (3.456, 11.81)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
-# walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then
-# (H100 least squares over the 1-chunk batches of scripts/short_batch_sweep.py, bench/results/h100/
-# plan_sweep_short.jsonl) an SM takes ceil(items / SMs) items of FUSED_STREAM_US[0] + [1] x the last chunk's fill
-# (its tokens / 64) us each, plus FUSED_STREAM_US[2] per round of CTAs (a CTA's first item and its ramp)
+# walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then,
+# and for batches of one-chunk sequences below that count (H100 least squares over the 1-chunk batches of
+# scripts/short_batch_sweep.py and plan_sweep.py, scripts/plan_fit.py), an SM takes ceil(items / SMs) items of
+# FUSED_STREAM_US[0] + [1] x the last chunk's fill (its tokens / 64) us each, plus FUSED_STREAM_US[2] per round of
+# CTAs (a CTA's first item and its ramp)
 FUSED_PERSISTENT_CTAS = 528
-FUSED_STREAM_US = {64: (5.966, 0.663, 3.688), 128: (9.356, 1.623, 2.712)}
+FUSED_STREAM_US = {64: (5.130, 0.433, 3.808), 128: (8.287, 1.550, 4.640)}
 CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
 # Batches of one-chunk sequences: gdn_prepare at one head per CTA grows with the chunk's fill beyond the fit by
-# SHORT_FILL_US / heads per CTA us per (sequence, v-head) per SM at a full chunk (H100, plan_sweep_short: 2B-TP1's
-# 16 / 16 heads, 8 -> 64 tokens, prepare + chain +4 us a (sequence, v-head) per SM, the fused kernel +1.6)
+# SHORT_FILL_US us per (sequence, v-head) per SM at a full chunk, whatever its heads per CTA (H100, plan_sweep_short:
+# TP8 64 sequences, 8 -> 64 tokens: prepare + chain +9 us at one head per CTA, +12 at four)
 SHORT_FILL_US = 2.67
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over the features
@@ -207,7 +207,7 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             c, f = _fit(FUSED_FIT_US, bv)
             c += L2NORM_FUSED_CHUNK_US if l2norm else 0.0
             items = num_seqs * num_v_heads * (head_dim_v // bv)
-            if items > FUSED_PERSISTENT_CTAS:
+            if items > FUSED_PERSISTENT_CTAS or longest_chunks == 1:
                 t = max(longest_chunks * c + f, _fused_stream_us(tokens, num_seqs, items, bv, c, num_sms, l2norm))
             else:
                 t = chain_us(items, c, f)
@@ -223,7 +223,7 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                 if longest_chunks == 1 and not l2norm:
                     fill = min(1.0, tokens / max(1, num_seqs) / 64)
                     t += (max(0.0, fill - 0.125) / 0.875 * math.ceil(num_seqs * num_v_heads / num_sms)
-                          * SHORT_FILL_US / hpc)
+                          * SHORT_FILL_US)
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
     if allow_cp and path in (None, "cp"):
         hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)

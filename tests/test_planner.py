@@ -71,11 +71,11 @@ def forward_plan(tokens, n, hq, hv, l2norm=False, fused=FUSED, **pins):
 
 
 @pytest.mark.parametrize("tokens,n,hq,hv,want", [
-    (4096, 1, 24, 96, ("split", 128)),      # 96 chains of 128 columns in one round; prepare + chain 0.252 ms, fused 0.28+
-    (8192, 256, 8, 32, ("split", 128)),     # 256 x 32 tokens: a fused chain's per-chain cost dominates one chunk
+    (4096, 1, 24, 96, ("fused", 128)),      # 96 chains of 128 columns in one round: fused 0.238 ms, prepare + chain 0.245+
+    (8192, 256, 8, 32, ("fused", 128)),     # 256 x 32 tokens, 8192 streamed items: fused 0.584 ms, prepare + chain 0.609
     (32768, 1, 2, 8, ("cp", None)),         # TP8 1x32768: 8 chains on 132 SMs
-    (32768, 1, 16, 64, ("split", 64)),      # TP1 1x32768: 128 chains fill the GPU; the chain kernel's chunk is cheaper
-    (32768, 8, 8, 32, ("split", 128)),      # TP2 4096x8 (0.592 ms; fused 0.607)
+    (32768, 1, 16, 64, ("fused", 64)),      # TP1 1x32768: 128 chains fill the GPU; fused 1.270 ms, prepare + chain 1.274
+    (32768, 8, 8, 32, ("fused", 128)),      # TP2 4096x8: fused 0.470 ms, prepare + chain 0.585
 ])
 def test_forward_plan(tokens, n, hq, hv, want):
     plan = forward_plan(tokens, n, hq, hv)
