@@ -13,9 +13,11 @@
    one CTA per (chunk, q/k head) sums the GVA group's dq/dk in shared memory (no extra pass). With
    use_qk_l2norm_in_kernel the recompute's gdn_prepare normalises q / k (as in the forward) and gdn_bwd_chunk's
    epilogue differentiates the normalisation from the raw rows: no torch pass, no autograd.
-With FLA's fused activations (a gates.KernelGate) the recompute activates the raw g / beta as the forward did and
-gdn_bwd_chunk's stores give the gradients of the raw g and beta logits, plus per-(chunk slot, v-head) partial sums of
-dA_log and dt_bias's gradient (gate_sums adds them over the slots).
+With FLA's fused activations (a gates.KernelGate) the recompute activates the raw g / beta as the forward did;
+gdn_prepare also stores the activated beta for gdn_bwd_chunk (beta logits only), and gdn_gate_bwd, after it, turns
+dg / dbeta into the gradients of the raw g and beta logits, with per-(token tile, v-head) partial sums of dA_log and
+dt_bias's gradient (gate_sums
+adds them over the tiles).
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from . import forward as fwd
 from .chunk_grads import chunk_gradients, compute_dtype, from_slots, reverse_chunk_cumsum, slot_map, to_slots
-from .gates import NO_GATE, KernelGate
+from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .launch import CHUNK, DTYPE_TAG, current_stream, dense, empty, join, launch, num_sms, packed, side_stream
 from .states import PLAIN_IO, V_FIRST, StateIO
 from .tuning import settings
@@ -34,7 +36,8 @@ from .validation import Problem, validate_inputs
 
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
-GATE_CHUNK_KERNEL = "gdn_bwd_chunk_gate"  # the same with FLA's activations compiled in (gate_mode)
+GATE_KERNEL = "gdn_gate_bwd"  # FLA's activations' gradients after gdn_bwd_chunk
+GATE_TILE = 64  # gdn_gate_bwd's tokens per CTA (its build's tile)
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
@@ -45,8 +48,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     cumsum (that API's form; dg is still with respect to the raw g). v_first: initial_state, dht and the returned dh0
     are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP).
     gate: FLA's activations applied by the kernels (g / beta are the raw gate / logits; dg and dbeta are with respect to
-    them); with gate.gate a seventh result, [2, Hv, slots] fp32: dA_log's (0) and dt_bias's (1) partial sums per chunk
-    slot (gate_sums)."""
+    them); with gate.gate a seventh result, [2, Hv, tiles] fp32: dA_log's (0) and dt_bias's (1) partial sums per
+    64-token tile (gate_sums)."""
     dt = q.dtype
     saved: dict = {}
     # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
@@ -88,8 +91,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
 
 
 def gate_sums(part: torch.Tensor):
-    """(dA_log, d dt_bias) [Hv] fp32 from gdn_bwd_chunk's per-slot partial sums [2, Hv, slots]: one torch sum over the
-    slots, in a fixed order (bit-identical repeats)."""
+    """(dA_log, d dt_bias) [Hv] fp32 from gdn_gate_bwd's per-tile partial sums [2, Hv, tiles]: one torch sum over the
+    tiles, in a fixed order (bit-identical repeats)."""
     sums = part.sum(-1)
     return sums[0], sums[1]
 
@@ -184,17 +187,15 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     dq, dk = (empty(B, Tb, Hq, K, device=dev, dtype=dt, output=name) for name in ("dq", "dk"))
     dbeta, dg = (empty(B, Tb, Hv, device=dev, dtype=torch.float32, output=name) for name in ("dbeta", "dg"))
     gate = saved.get("gate", NO_GATE)
-    # with the raw gate: dA_log's and dt_bias's partial sums per (chunk slot, v-head), all written by the kernel
-    part = (empty(2, Hv, saved["TC"] // CHUNK, device=dev, dtype=torch.float32, output="gate_part") if gate.gate
-            else None)
+    # beta logits: the activated beta the recompute's gdn_prepare stored (the plain chunk kernel applies none)
+    beta = saved["beta_act"] if gate.mode & BETA_SIGMOID else saved["beta"]
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
     ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)
-    kernel = GATE_CHUNK_KERNEL if gate.mode else CHUNK_KERNEL
-    launch(kernel, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
-                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas, gate_mode=gate.mode),
+    launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
+                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
-                 "beta": saved["beta"].data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
+                 "beta": beta.data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
                  "vnew": saved["vnew"].data_ptr(), "x": x.data_ptr(), "dv": dv.data_ptr(),
                  "hs": saved["hs"].data_ptr(), "dhs": dhs.data_ptr(), "slot_rows": saved["slot_rows"].data_ptr(),
@@ -202,11 +203,22 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
                  "k_raw": k_raw.data_ptr(),
                  # l2norm: the rows' factors (|x|^2 + eps)^-1/2 from gdn_prepare (without it, ops' stand-in: unread)
-                 "rn": saved["rn"].data_ptr(),
-                 # the raw gate and the parameters (gate_mode; stand-ins, unread, without it)
-                 "g": saved["g"].data_ptr(), **gate.pointers(saved["g"]),
-                 "gate_part": (part if part is not None else dbeta).data_ptr()})
+                 "rn": saved["rn"].data_ptr()})
+    part = _gate_backward(problem, saved, gate, beta, dg, dbeta) if gate.mode else None
     return dq, dk, dbeta, dg, part
+
+
+def _gate_backward(problem: Problem, saved: dict, gate: KernelGate, beta, dg, dbeta):
+    """gdn_gate_bwd: dg / dbeta turned in place into the raw g's and beta logits' gradients; returns dA_log's and
+    dt_bias's partial sums [2, Hv, tiles] with the raw gate, else None."""
+    dev = dg.device
+    NT, Hv = problem.batch * problem.tokens, problem.num_v_heads
+    tiles = -(-NT // GATE_TILE)
+    part = empty(2, Hv, tiles, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
+    launch(GATE_KERNEL, {"tile": GATE_TILE}, dev, {"NT": NT, "Hv": Hv, "NB": tiles, "gate_mode": gate.mode},
+           {"g": saved["g"].data_ptr(), **gate.pointers(saved["g"]), "beta": beta.data_ptr(), "dg": dg.data_ptr(),
+            "dbeta": dbeta.data_ptr(), "part": (part if part is not None else dg).data_ptr()})
+    return part
 
 
 def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cp
-from .gates import NO_GATE, KernelGate
+from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
                      dense, empty, join, launch, num_sms, packed, side_stream)
@@ -198,15 +198,19 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
     # (without l2norm the kernels never read it: `tiles`, larger than its [2, Hq, TC], stands in as its address)
     rn = empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
+    # the backward's recompute with beta logits: gdn_prepare also stores the activated beta, gdn_bwd_chunk's
+    beta_act = (empty(T, Hv, device=dev, dtype=torch.float32) if saved is not None and gate.mode & BETA_SIGMOID
+                else None)
     launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,
             dict(sizes, write_a=int(A is not None and not read_a), hpc=hpc, l2norm=int(use_qk_l2norm),
-                 g_is_cumsum=int(g_is_cumsum), gate_mode=gate.mode),
+                 g_is_cumsum=int(g_is_cumsum), gate_mode=gate.mode, store_beta=int(beta_act is not None)),
             {"q": qp.data_ptr(), "k": kp.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr(),
              "rn": rn.data_ptr(), "g": gp.data_ptr(), "beta": bp.data_ptr(),
              "cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(),
              "A": (A if A is not None else agb).data_ptr(), "agb": agb.data_ptr(), "p": pqk.data_ptr(),
              "eg_t": tile_ptr[0], "et_t": tile_ptr[1], "gam_t": tile_ptr[2], "bkk_max": tile_ptr[3],
-             "slot_rows": tiles.data_ptr() + slot_rows_at * 4, **gate.pointers(gp)}, stream)
+             "slot_rows": tiles.data_ptr() + slot_rows_at * 4, **gate.pointers(gp),
+             "beta_out": (beta_act if beta_act is not None else tiles).data_ptr()}, stream)
     qp, kp = qn, kn
     pointers = {"q": qp.data_ptr(), "k": kp.data_ptr(), "v": vp.data_ptr(), "agb": agb.data_ptr(),
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
@@ -234,7 +238,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
                      sizes=sizes, tag=tag, order=order,
-                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn, g=gp, gate=gate)
+                     slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn, g=gp, gate=gate,
+                     beta_act=beta_act)
         if state_io.index is not None:
             raise ValueError("internal: the backward's recompute reads a dense initial state (no pool)")
         chain_sizes = dict(sizes, use_h0=int(h0 is not None), store_ht=0, ordered=1, state_mode=state_io.mode)

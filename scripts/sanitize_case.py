@@ -1,7 +1,8 @@
 """Small cases for compute-sanitizer (memcheck / racecheck / synccheck) on the GPU machine.
 
 usage: python scripts/sanitize_case.py          a varlen forward + backward over every kernel family: split and
-                                                fused forward, CP both ways, l2norm, the persistent chunk kernel
+                                                fused forward, CP both ways, l2norm, the persistent chunk kernel,
+                                                FLA's fused gate / beta activations (gdn_gate_bwd's last-CTA sums)
        python scripts/sanitize_case.py tiny     one head, one 64-token chunk + a 5-token one: a racecheck report
                                                 that can be read hazard by hazard
 """
@@ -82,9 +83,21 @@ with torch.no_grad(), tuning.override(use_fused=True):
     o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     tuning.settings.force_block_v = None
+# FLA's activations in the kernels: raw gate with A_log / dt_bias and beta logits (gdn_prepare stores the activated
+# beta, gdn_gate_bwd's CTAs count a ticket and the last sums the tiles); 40 v-heads: a partial second block of heads
+hg = 40
+g_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)
+b_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)
+A_log = torch.randn(hg, device="cuda", requires_grad=True)
+dt_bias = torch.randn(hg, device="cuda", requires_grad=True)
+vg = torch.randn(1, T, hg, V, device="cuda").bfloat16().requires_grad_()
+o_g, _ = flash_qla.chunk_gated_delta_rule(q, k, vg, g_raw, b_raw, cu_seqlens=cu, use_gate_in_kernel=True, A_log=A_log,
+                                          dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+grads_g = torch.autograd.grad(o_g, [g_raw, b_raw, A_log, dt_bias], torch.randn_like(o_g))
 torch.cuda.synchronize()
 print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()),
       float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
+print("gate case", [float(d.float().abs().sum()) for d in grads_g])
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
 print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])

@@ -18,7 +18,7 @@ from flash_qla.validation import validate_inputs
 from build_matrix.variants import module_constant
 
 ROOT = Path(__file__).resolve().parent.parent
-GATED = {"gdn_prepare", "gdn_fwd_fused", "gdn_bwd_chunk", "gdn_bwd_chunk_gate"}
+GATED = {"gdn_prepare", "gdn_fwd_fused", "gdn_gate_bwd"}
 
 
 def test_mode_bits_match_the_kernels():
@@ -76,7 +76,7 @@ def test_store_formulas_match_autograd(neg):
     assert torch.allclose(glog, g_log.detach(), rtol=1e-14, atol=0)
 
 
-def test_gate_sums_adds_the_slots():
+def test_gate_sums_adds_the_tiles():
     part = torch.arange(2 * 3 * 5, dtype=torch.float32).view(2, 3, 5)
     da, dd = bwd.gate_sums(part)
     assert torch.equal(da, part[0].sum(-1)) and torch.equal(dd, part[1].sum(-1))
@@ -119,21 +119,33 @@ def test_forward_passes_the_mode(launches, monkeypatch, fused, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_passes_the_mode(launches, mode):
+    """The recompute's gdn_prepare takes the mode and, with beta logits, stores the activated beta; gdn_bwd_chunk runs
+    its plain build on that beta; gdn_gate_bwd then turns its dg / dbeta into the raw inputs' gradients in place, with
+    dA_log's and dt_bias's partial sums per 64-token tile."""
     problem, x = _inputs()
     gate = _gate(mode, x)
     do = torch.randn_like(x["v"])
     out = bwd.backward(problem, x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["cu"], False, do, None, gate=gate)
     assert len(out) == (7 if mode & gates.GATE else 6)
-    by_name = {n: (s, p) for n, _, s, p in launches if n in GATED}
-    chunk = "gdn_bwd_chunk_gate" if mode else "gdn_bwd_chunk"  # the plain build leaves the mode's code out
-    assert set(by_name) == {"gdn_prepare", chunk}
-    for n, (s, p) in by_name.items():
-        assert s["gate_mode"] == mode, n
-        assert p["g"] == x["g"].data_ptr(), n  # the recompute and the chunk stage read the raw g
-    s, p = by_name[chunk]
-    if mode & gates.GATE:
-        slots = -(-problem.tokens // 64) + problem.num_seqs
-        assert tuple(out[6].shape) == (2, problem.num_v_heads, slots) and p["gate_part"] == out[6].data_ptr()
+    names = [n for n, _, _, _ in launches]
+    (ps, pp), = [(s, p) for n, _, s, p in launches if n == "gdn_prepare"]
+    (cs, cp), = [(s, p) for n, _, s, p in launches if n == "gdn_bwd_chunk"]
+    assert ps["gate_mode"] == mode and pp["g"] == x["g"].data_ptr() and pp["beta"] == x["beta"].data_ptr()
+    assert "gate_mode" not in cs  # the plain build, whatever the mode
+    if mode & gates.BETA_SIGMOID:  # the chunk kernel reads the beta gdn_prepare activated and stored
+        assert ps["store_beta"] == 1 and cp["beta"] == pp["beta_out"] != x["beta"].data_ptr()
+    else:
+        assert ps["store_beta"] == 0 and cp["beta"] == x["beta"].data_ptr()
+    gated = [(s, p) for n, _, s, p in launches if n == "gdn_gate_bwd"]
+    assert len(gated) == (1 if mode else 0)
+    if mode:  # after the chunk kernel, in place on its dg / dbeta
+        (s, p), = gated
+        assert names.index("gdn_gate_bwd") > names.index("gdn_bwd_chunk")
+        assert s["gate_mode"] == mode and p["g"] == x["g"].data_ptr() and p["beta"] == cp["beta"]
+        assert p["dg"] == cp["dg"] == out[3].data_ptr() and p["dbeta"] == cp["dbeta"] == out[4].data_ptr()
+        assert s["NT"] == problem.tokens and s["NB"] == -(-problem.tokens // 64)
+        if mode & gates.GATE:
+            assert tuple(out[6].shape) == (2, problem.num_v_heads, s["NB"]) and p["part"] == out[6].data_ptr()
 
 
 def test_api_routes_the_mode_to_the_kernels(monkeypatch):

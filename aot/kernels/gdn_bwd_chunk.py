@@ -28,18 +28,13 @@ epilogue turns the group's summed dy into dx = r (dy - y (y . dy)) = r dy - r^3 
 rounding to the input dtype: no separate pass, no autograd. A whole chunk does it in the accumulator layout from y
 (still in q_s / k_s) and gdn_prepare's stored r, then takes the TMA store; a partial chunk's row loop does it from
 the raw rows (one warp per row, r recomputed).
-gate_mode (aot/kernels/gate_act.py), compiled in only by build(gate=1) (aot/kernels/gdn_bwd_chunk_gate.py): beta
-activated where it is read and g_log / its slope made from the raw g; the stores give d b = dbeta * beta (1 - beta /
-m) and d g = dg_log * (-exp(A_log) sigmoid(g + dt_bias)); dA_log and dt_bias's gradient leave as per-(chunk slot,
-head) sums (gate_part) that the host adds over the slots: deterministic, no atomics. The raw g and the parameters load
-with the head's other row scalars, under the V blocks. Unlike the forward kernels (a run-time mode in one build), this
-kernel runs at 255 registers with spills: the mode's code, never taken, made the plain build's kernel 2.7-3% slower
-(H100, hk16_hv32 32k_8seq and hk4_hv8 8k_8seq), so the plain builds leave it out.
+FLA's gate / beta activations (use_gate_in_kernel, use_beta_sigmoid_in_kernel) stay out of this kernel:
+aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into the raw inputs' gradients after it
+(inside, at 255 registers with spills, that code cost 11-16% of this kernel on an H100).
 """
 import tilelang.language as T
 
 from .common import L2NORM_EPS
-from .gate_act import BETA_SIGMOID, GATE, GATE_BIAS, beta_act, beta_slope, exp_neg_abs, softplus, softplus_slope
 
 C = 64
 BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
@@ -53,7 +48,7 @@ PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 LOG2E = 1.4426950408889634
 
 
-def build(dtype: str, K: int, V: int, gate: int = 0):
+def build(dtype: str, K: int, V: int):
     dt = DTYPES[dtype]
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
@@ -137,10 +132,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
         k: T.Tensor((NT, Hq, K), dt),
         A: T.Tensor((NT, Hv, C), dt),
         beta: T.Tensor((NT, Hv), "float32"),
-        # gate_mode (gate_act.py): the raw gate and the per-head parameters (unread without GATE / GATE_BIAS)
-        g: T.Tensor((NT, Hv), "float32"),
-        A_log: T.Tensor((Hv,), "float32"),
-        dt_bias: T.Tensor((Hv,), "float32"),
         gam_t: T.Tensor((Hv, TC), "float32"),
         do: T.Tensor((NT, Hv, V), dt),
         w: T.Tensor((NT, Hv, V), dt),
@@ -154,8 +145,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
         dk: T.Tensor((NT, Hq, K), dt),
         dbeta: T.Tensor((NT, Hv), "float32"),
         dg: T.Tensor((NT, Hv), "float32"),
-        # GATE: per (chunk slot, v-head) sums of dA_log's (0) and dt_bias's (1) terms; every slot is written
-        gate_part: T.Tensor((2, Hv, TC // C), "float32"),
         q_raw: T.Tensor((NT, Hq, K), dt),
         k_raw: T.Tensor((NT, Hq, K), dt),
         # l2norm: the q (0) / k (1) rows' factors as gdn_prepare stored them, by chunk slot (slot * 64 + row): a
@@ -164,7 +153,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
         scale: T.float32,
         l2norm: T.int32,
         ctas: T.int32,
-        gate_mode: T.int32,
     ):
         # items: every (chunk slot, q/k head), slot-major (TC / 64 = ceil(T / 64) + N slots)
         with T.Kernel(ctas, threads=THREADS) as pid:
@@ -239,10 +227,7 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
             scan = T.alloc_local((2,), "float32")   # warp 0's dg scan: rows lane and lane + 32
             et_part = T.alloc_local((1,), "float32")
             moved = T.alloc_local((2,), "float32")
-            # a head's gamma, gamma_last, beta for row tid; with GATE its raw g, A_log, dt_bias (then its g_log and
-            # d g_log / d g)
-            rowv = T.alloc_local((6 if gate else 3,), "float32")
-            gsum = T.alloc_local((2,), "float32")  # GATE: warp 0's dA_log / dt_bias terms of a chunk
+            rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
             loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
@@ -301,19 +286,11 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
                         rowv[0] = 0.0
                         rowv[1] = 0.0
                         rowv[2] = 0.0
-                        if gate:  # compile time
-                            rowv[5] = 0.0
                         if tid < C:
                             rowv[0] = gam_t[h, bc * C + tid]
                             rowv[1] = gam_t[h, bc * C + valid - 1]
                             if tid < valid:
                                 rowv[2] = beta[t0 + tid, h]
-                                if gate:
-                                    if (gate_mode & GATE) != 0:
-                                        rowv[3] = g[t0 + tid, h]
-                                        rowv[4] = A_log[h]
-                                        if (gate_mode & GATE_BIAS) != 0:
-                                            rowv[5] = dt_bias[h]
                         T.clear(dqf)
                         T.clear(dkf)
                         T.clear(dks)
@@ -365,20 +342,7 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
                             eg_s[tid] = T.exp2(rowv[0] * LOG2E)
                             et_s[tid] = T.if_then_else(tid < valid - 1, T.exp2((rowv[1] - rowv[0]) * LOG2E), 0.0)
-                            # FLA's activations from the raw inputs (gate_act.py), as the recompute applied them
-                            if gate:
-                                b_s[tid] = T.if_then_else((gate_mode & BETA_SIGMOID) != 0 and tid < valid,
-                                                          beta_act(rowv[2], gate_mode), rowv[2])
-                                if (gate_mode & GATE) != 0 and tid < valid:
-                                    # x = g + dt_bias, y = exp(-|x|), -exp(A_log); then (registers only: shared memory
-                                    # is full) rowv[2] = d g_log / d g and rowv[3] = g_log, kept for the stores
-                                    rowv[3] = rowv[3] + rowv[5]
-                                    rowv[5] = exp_neg_abs(rowv[3])
-                                    rowv[4] = -T.exp2(rowv[4] * LOG2E)
-                                    rowv[2] = rowv[4] * softplus_slope(rowv[3], rowv[5])
-                                    rowv[3] = rowv[4] * softplus(rowv[3], rowv[5])
-                            else:
-                                b_s[tid] = rowv[2]
+                            b_s[tid] = rowv[2]
                         # Q K^T (cc is free until its first use below) runs under the state terms' passes
                         if r == 0:  # q / k's first use in this item
                             T.barrier_arrive(qk_bar[0])
@@ -457,10 +421,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
                         if tid < C:
                             dg_s[tid] = r23_s[tid] + ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
                             db_s[tid] = dbc_s[tid] + dd_s[tid]
-                            if gate:
-                                if (gate_mode & GATE) != 0:  # row tid's g_log and slope, where it has read its sums
-                                    cp_s[tid] = rowv[3]
-                                    dbc_s[tid] = rowv[2]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -508,32 +468,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
                                 scan[0] = scan[0] + T.if_then_else(lane + (1 << sh) < 32, moved[0], 0.0)
                                 scan[1] = scan[1] + T.if_then_else(lane + (1 << sh) < 32, moved[1], 0.0)
                             scan[0] = scan[0] + T.shfl_sync(scan[1], 0)  # the upper half's total
-                            if gate:
-                                if (gate_mode & BETA_SIGMOID) != 0:  # d b = d beta * d beta / d b
-                                    if lane < valid:
-                                        db_s[lane] = db_s[lane] * beta_slope(b_s[lane], gate_mode)
-                                    if lane + 32 < valid:
-                                        db_s[lane + 32] = db_s[lane + 32] * beta_slope(b_s[lane + 32], gate_mode)
-                                if (gate_mode & GATE) != 0:
-                                    # d g = d g_log * d g_log / d g; dA_log's terms d g_log * g_log (d g_log / d A_log
-                                    # = g_log) and dt_bias's d g, summed over the chunk's rows: one partial per (slot,
-                                    # head), summed over the slots by the host in a fixed order (no float atomics)
-                                    gsum[0] = 0.0
-                                    gsum[1] = 0.0
-                                    # (cp_s: each row's g_log, dbc_s: its d g_log / d g, written by the row's thread)
-                                    if lane < valid:
-                                        gsum[0] = scan[0] * cp_s[lane]
-                                        scan[0] = scan[0] * dbc_s[lane]
-                                        gsum[1] = scan[0]
-                                    if lane + 32 < valid:
-                                        gsum[0] += scan[1] * cp_s[lane + 32]
-                                        scan[1] = scan[1] * dbc_s[lane + 32]
-                                        gsum[1] += scan[1]
-                                    gsum[0] = T.warp_reduce_sum(gsum[0])
-                                    gsum[1] = T.warp_reduce_sum(gsum[1])
-                                    if lane == 0:
-                                        gate_part[0, h, bc] = gsum[0]
-                                        gate_part[1, h, bc] = gsum[1]
                             if lane < valid:
                                 dg[t0 + lane, h] = scan[0]
                                 dbeta[t0 + lane, h] = db_s[lane]
@@ -593,12 +527,6 @@ def build(dtype: str, K: int, V: int, gate: int = 0):
                     heads += R
                     items += 1
                     ahead = T.if_then_else(nvalid > 0, 1, 0)
-                if gate:
-                    if valid == 0 and (gate_mode & GATE) != 0:  # a slot past the last chunk: its partial sums are 0
-                        for rr in T.serial(T.ceildiv(R, THREADS)):
-                            if rr * THREADS + tid < R:
-                                gate_part[0, hk * R + rr * THREADS + tid, bc] = 0.0
-                                gate_part[1, hk * R + rr * THREADS + tid, bc] = 0.0
             T.tma_store_wait()  # the last item's dq / dk stores have read q_s / k_s before the CTA exits
 
     return gdn_bwd_chunk

@@ -94,12 +94,16 @@ def build(dtype: str, K: int, A: str = "solve"):
         gam_t: T.Tensor((Hv, TC), "float32"),
         bkk_max: T.Tensor((Hv, TC // C), "float32"),
         slot_rows: T.Tensor((TC // C, 2), "int32"),
+        # store_beta (the backward's recompute under BETA_SIGMOID): each valid row's activated beta, which
+        # gdn_bwd_chunk then reads (its plain build applies no activation)
+        beta_out: T.Tensor((NT, Hv), "float32"),
         scale: T.float32,
         write_a: T.int32,
         hpc: T.int32,
         l2norm: T.int32,
         g_is_cumsum: T.int32,
         gate_mode: T.int32,
+        store_beta: T.int32,
     ):
         # grid x covers an upper bound of the chunk count (ceil(T / 64) + N); extra CTAs exit.
         # grid y: groups of hpc consecutive v-heads, all reading the same q / k head
@@ -145,6 +149,7 @@ def build(dtype: str, K: int, A: str = "solve"):
             gcol = T.alloc_local((8,), "float32")
             bcol = T.alloc_local((8,), "float32")
             gb = T.alloc_local((2,), "float32")  # a loaded g, beta (activated in registers with gate_mode)
+            gp = T.alloc_local((2,), "float32")  # its head's A_log, dt_bias (GATE)
             loaded = T.alloc_barrier(THREADS)
             seq = T.alloc_local((2,), "int32")  # the binary search's bounds; seq[0]: this chunk's sequence
             t0 = T.alloc_var("int32")
@@ -180,14 +185,20 @@ def build(dtype: str, K: int, A: str = "solve"):
                         hj = idx % hpc
                         gb[0] = T.if_then_else(row < valid, g[t0 + row, hg * hpc + hj], 0.0)
                         gb[1] = T.if_then_else(row < valid, beta[t0 + row, hg * hpc + hj], 0.0)
+                        # the head's parameters in the same round trip (as a load behind the mode's branch they
+                        # were a second one; their stand-in addresses are valid in every mode)
+                        gp[0] = A_log[hg * hpc + hj]
+                        gp[1] = dt_bias[hg * hpc + hj]
                         # FLA's activations (gate_act.py) before gamma's cumsum, the inverse and bkk_max: beta is
                         # then in (0, 2), inside the CP bound's range; rows past the end stay 0
                         if (gate_mode & GATE) != 0 and row < valid:
-                            gb[0] = gate_log(gb[0], A_log[hg * hpc + hj], dt_bias[hg * hpc + hj], gate_mode)
+                            gb[0] = gate_log(gb[0], gp[0], gp[1], gate_mode)
                         if (gate_mode & BETA_SIGMOID) != 0 and row < valid:
                             gb[1] = beta_act(gb[1], gate_mode)
                         b_s[hj, row] = gb[1]
                         graw[hj, row] = gb[0]
+                        if store_beta != 0 and row < valid:
+                            beta_out[t0 + row, hg * hpc + hj] = gb[1]
                 T.mbarrier_wait_parity(loaded[0], 0)
                 if l2norm != 0:
                     # use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + eps) per row, in fp32, rounded to the input dtype
