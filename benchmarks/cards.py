@@ -65,6 +65,7 @@ class Card:
     peers: Dict[str, List[dict]] = field(default_factory=dict)   # file stem -> records
     host_cost: Optional[dict] = None
     log_summaries: Dict[str, List[str]] = field(default_factory=dict)
+    ncu: List[dict] = field(default_factory=list)  # scripts/ncu_summary.py's rows (ncu.jsonl)
 
     @property
     def devices(self) -> List[str]:
@@ -104,6 +105,12 @@ def load_card(path: str) -> Card:
             card.host_cost = json.loads(host.read_text())
         except json.JSONDecodeError as exc:
             raise CardError(f"{host}: not JSON ({exc.msg})") from None
+    ncu = folder / "ncu.jsonl"
+    if ncu.is_file():
+        try:
+            card.ncu = [json.loads(line) for line in ncu.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise CardError(f"{ncu}: not JSON ({exc.msg})") from None
     for log in sorted(folder.glob("*.log")):
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if SUMMARY_LINE.search(ln)]
         card.log_summaries[log.name] = lines

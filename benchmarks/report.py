@@ -159,6 +159,29 @@ def host_cost_section(card: Card) -> List[str]:
     return ["", "### Host cost", "", f"From `{card.path.name}/host_overhead.json`."] + lines
 
 
+NCU_COLUMNS = [("kernel", "kernel"), ("row", "row"), ("build", "build"), ("duration_us", "us"),
+               ("dram_pct", "DRAM %"), ("sm_pct", "SM %"), ("l1tex_pct", "L1/TEX %"),
+               ("issue_per_scheduler", "issued / scheduler"), ("no_eligible_pct", "no eligible %"),
+               ("occupancy_pct", "occupancy %"), ("l2_input_sectors", "L2 sectors in")]
+
+
+def ncu_section(card: Card) -> List[str]:
+    """scripts/ncu_summary.py's rows: what bounds each profiled kernel, before and after a change."""
+    if not card.ncu:
+        return []
+    lines = ["", "### Kernel evidence (ncu)", "",
+             f"From `{card.path.name}/ncu.jsonl` (`scripts/ncu_summary.py`; one profiled launch a row).", "",
+             _md_row([title for _, title in NCU_COLUMNS]), _md_row(["---"] * 3 + ["---:"] * (len(NCU_COLUMNS) - 3))]
+    for r in card.ncu:
+        cells = []
+        for key, _ in NCU_COLUMNS:
+            v = r.get(key)
+            cells.append(DASH if v is None else f"`{v}`" if key == "kernel" else
+                         f"{v / 1e6:.1f}M" if key == "l2_input_sectors" else _cell(v))
+        lines.append(_md_row(cells))
+    return lines
+
+
 def logs_section(card: Card) -> List[str]:
     if not card.log_summaries:
         return []
@@ -187,7 +210,7 @@ def card_section(matrix: dict, card: Card, plots: Dict[str, List[str]], out_dir:
             rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
             kind = os.path.basename(path)[:-len(".png")].rsplit("_", 1)[-1]
             lines += ["", f"![{title} {pass_} {kind}]({rel})"]
-    return lines + host_cost_section(card) + logs_section(card)
+    return lines + host_cost_section(card) + ncu_section(card) + logs_section(card)
 
 
 def build_report(matrix: dict, cards: Sequence[Card], plots: Dict[str, Dict[str, List[str]]],
