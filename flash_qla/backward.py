@@ -16,8 +16,7 @@
 With FLA's fused activations (a gates.KernelGate) the recompute activates the raw g / beta as the forward did;
 gdn_prepare also stores the activated beta for gdn_bwd_chunk (beta logits only), and gdn_gate_bwd, after it, turns
 dg / dbeta into the gradients of the raw g and beta logits, with per-(token tile, v-head) partial sums of dA_log and
-dt_bias's gradient (gate_sums
-adds them over the tiles).
+dt_bias's gradient (gate_sums adds them over the tiles).
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations

@@ -198,7 +198,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     # l2norm epilogue loads by TMA with its q / k tiles (q: [0], k: [1])
     # (without l2norm the kernels never read it: `tiles`, larger than its [2, Hq, TC], stands in as its address)
     rn = empty(2, problem.num_qk_heads, TC, device=dev, dtype=torch.float32) if use_qk_l2norm else tiles
-    # the backward's recompute with beta logits: gdn_prepare also stores the activated beta, gdn_bwd_chunk's
+    # the backward's recompute with beta logits: gdn_prepare also stores the activated beta, which gdn_bwd_chunk reads
     beta_act = (empty(T, Hv, device=dev, dtype=torch.float32) if saved is not None and gate.mode & BETA_SIGMOID
                 else None)
     launch("gdn_prepare", {"dtype": tag, "K": K, "A": "read" if read_a else "solve"}, dev,

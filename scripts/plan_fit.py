@@ -8,8 +8,9 @@ block, the two models of the fused kernel that planner.plan_forward uses:
   FUSED_FIT_US (per_chunk, per_chain), up to FUSED_PERSISTENT_CTAS items (multi-chunk rows of the grid and standard
     sets): time = rounds x (chunks x per_chunk + per_chain), rounds = ceil(items / SMs), items = sequences x v-heads
     x V / BV, chunks = each sequence's 64-token chunks;
-  FUSED_STREAM_US (a, b, ramp), past it (fitted on batches of one-chunk sequences): time = ceil(items / SMs) x (a + b x fill + (chunks - 1) x per_chunk)
-    + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp, fill = the last chunk's tokens / 64.
+  FUSED_STREAM_US (a, b, ramp), past it, fitted on batches of one-chunk sequences (the planner adds the full
+    chunks' per_chunk time for longer ones): time = ceil(items / SMs) x (a + b x fill)
+    + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp, fill = the chunk's tokens / 64.
 Least squares on relative error; prints each fit, its worst relative error and the planner's current values beside
 it: copy the values into flash_qla/planner.py when they move.
 """
@@ -42,8 +43,8 @@ def fused_samples(rows: list, bv: int, sms: int) -> list:
     return out
 
 
-def stream_samples(rows: list, bv: int, per_chunk: float, sms: int) -> list:
-    """(rounds, rounds x fill, ramp rounds, measured us less the full chunks' time) past the persistent limit."""
+def stream_samples(rows: list, bv: int, sms: int) -> list:
+    """(rounds, rounds x fill, ramp rounds, measured us) of the one-chunk batches past the persistent limit."""
     out = []
     for r in rows:
         ms = r["candidates"].get(f"fused_bv{bv}")
@@ -52,12 +53,10 @@ def stream_samples(rows: list, bv: int, per_chunk: float, sms: int) -> list:
         items = r["seqs"] * r["hv"] * (HEAD_DIM_V // bv)
         if items <= FUSED_PERSISTENT_CTAS or r["tokens"] > 64 * r["seqs"]:  # one-chunk batches (the fit's)
             continue
-        mean = r["tokens"] / r["seqs"]
-        chunks = max(1, math.ceil(mean / 64))
-        fill = min(1.0, max(0.0, mean - 64 * (chunks - 1)) / 64)
+        fill = r["tokens"] / r["seqs"] / 64
         rounds = math.ceil(items / sms)
         ramp = math.ceil(min(items, FUSED_PERSISTENT_CTAS) / sms)
-        out.append((rounds, rounds * fill, ramp, ms * 1000.0 - rounds * (chunks - 1) * per_chunk))
+        out.append((rounds, rounds * fill, ramp, ms * 1000.0))
     return out
 
 
@@ -88,7 +87,7 @@ def main() -> None:
         (c, f), worst = fit(samples)
         print(f"FUSED_FIT_US[{bv}] = ({c:.3f}, {f:.2f}) over {len(samples)} rows (worst error {worst:.1%}); "
               f"planner now {FUSED_FIT_US[bv]}")
-        samples = stream_samples(rows, bv, c, args.sms)
+        samples = stream_samples(rows, bv, args.sms)
         if len(samples) < 3:
             continue
         coef, worst = fit(samples)

@@ -2,7 +2,7 @@
 
 usage: python scripts/sanitize_case.py          a varlen forward + backward over every kernel family: split and
                                                 fused forward, CP both ways, l2norm, the persistent chunk kernel,
-                                                FLA's fused gate / beta activations (gdn_gate_bwd's last-CTA sums)
+                                                FLA's fused gate / beta activations (gdn_gate_bwd)
        python scripts/sanitize_case.py tiny     one head, one 64-token chunk + a 5-token one: a racecheck report
                                                 that can be read hazard by hazard
 """
@@ -84,7 +84,7 @@ with torch.no_grad(), tuning.override(use_fused=True):
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     tuning.settings.force_block_v = None
 # FLA's activations in the kernels: raw gate with A_log / dt_bias and beta logits (gdn_prepare stores the activated
-# beta, gdn_gate_bwd's CTAs count a ticket and the last sums the tiles); 40 v-heads: a partial second block of heads
+# beta, gdn_gate_bwd writes the raw inputs' gradients and per-tile sums); 40 v-heads: a partial second block of heads
 hg = 40
 g_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)
 b_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)

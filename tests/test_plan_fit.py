@@ -46,7 +46,7 @@ def test_stream_fit_takes_one_chunk_batches_past_the_persistent_limit():
                 ramps = math.ceil(min(items, plan_fit.FUSED_PERSISTENT_CTAS) / SMS)
                 rows.append(_row(hv, seqs, seqs * t, (rounds * (a + b * t / 64) + ramps * ramp) / 1000))
     rows.append(_row(64, 512, 512 * 128, 1.0))  # two chunks a sequence: not the streaming fit's
-    samples = plan_fit.stream_samples(rows, 64, 2.0, SMS)
+    samples = plan_fit.stream_samples(rows, 64, SMS)
     assert len(samples) == len(rows) - 1
     (got_a, got_b, got_ramp), worst = plan_fit.fit(samples)
     assert (got_a, got_b, got_ramp) == pytest.approx((a, b, ramp), rel=1e-6) and worst < 1e-6
