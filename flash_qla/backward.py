@@ -36,7 +36,10 @@ from .validation import Problem, validate_inputs
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
 GATE_KERNEL = "gdn_gate_bwd"  # FLA's activations' gradients after gdn_bwd_chunk
-GATE_TILE = 64  # gdn_gate_bwd's tokens per CTA (its build's tile)
+# gdn_gate_bwd's shape (aot/kernels/gdn_gate_bwd.py: WARPS, E, CLUSTER): a step covers 8 warps x 32 / hb tokens x 8;
+# up to GATE_CLUSTER_STEPS steps a CTA, one cluster of 8 CTAs per head block adds the sums itself (no torch sum)
+GATE_WARPS, GATE_E, GATE_CLUSTER = 8, 8, 8
+GATE_CLUSTER_STEPS = 4
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
@@ -90,8 +93,10 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
 
 
 def gate_sums(part: torch.Tensor):
-    """(dA_log, d dt_bias) [Hv] fp32 from gdn_gate_bwd's per-tile partial sums [2, Hv, tiles]: one torch sum over the
-    tiles, in a fixed order (bit-identical repeats)."""
+    """(dA_log, d dt_bias) [Hv] fp32 from gdn_gate_bwd's sums [2, Hv, slots]: its cluster build's single slot as it
+    is, else one torch sum over the slots, in a fixed order (bit-identical repeats)."""
+    if part.shape[-1] == 1:
+        return part[0, :, 0], part[1, :, 0]
     sums = part.sum(-1)
     return sums[0], sums[1]
 
@@ -212,12 +217,22 @@ def _gate_backward(problem: Problem, saved: dict, gate: KernelGate, beta, dg, db
     dt_bias's partial sums [2, Hv, tiles] with the raw gate, else None."""
     dev = dg.device
     NT, Hv = problem.batch * problem.tokens, problem.num_v_heads
-    tiles = -(-NT // GATE_TILE)
-    part = empty(2, Hv, tiles, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
-    launch(GATE_KERNEL, {"tile": GATE_TILE}, dev, {"NT": NT, "Hv": Hv, "NB": tiles, "gate_mode": gate.mode},
+    hb, steps, mode = gate_backward_shape(NT, Hv)
+    slots = 1 if mode == "cluster" else steps
+    part = empty(2, Hv, slots, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
+    launch(GATE_KERNEL, {"mode": mode}, dev,
+           {"NT": NT, "Hv": Hv, "NP": slots, "gate_mode": gate.mode, "hb": hb, "ns": steps},
            {"g": saved["g"].data_ptr(), **gate.pointers(saved["g"]), "beta": beta.data_ptr(), "dg": dg.data_ptr(),
             "dbeta": dbeta.data_ptr(), "part": (part if part is not None else dg).data_ptr()})
     return part
+
+
+def gate_backward_shape(tokens: int, num_v_heads: int) -> tuple:
+    """gdn_gate_bwd's (lanes a token hb, steps, build): hb the smallest of 8 / 16 / 32 that holds the heads (a warp
+    then covers 32 / hb tokens), the cluster build while a CTA of it takes at most GATE_CLUSTER_STEPS steps."""
+    hb = 8 if num_v_heads <= 8 else 16 if num_v_heads <= 16 else 32
+    steps = -(-tokens // (GATE_WARPS * (32 // hb) * GATE_E))
+    return hb, steps, "cluster" if steps <= GATE_CLUSTER * GATE_CLUSTER_STEPS else "tiles"
 
 
 def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):
