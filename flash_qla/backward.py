@@ -36,7 +36,13 @@ from .validation import Problem, validate_inputs
 DH_KERNEL = "gdn_bwd_dh"
 CHUNK_KERNEL = "gdn_bwd_chunk"
 GATE_KERNEL = "gdn_gate_bwd"  # FLA's activations' gradients after gdn_bwd_chunk
-GATE_TILE = 64  # gdn_gate_bwd's tokens per CTA (its build's tile)
+# gdn_gate_bwd's shape (aot/kernels/gdn_gate_bwd.py: WARPS, E): a CTA covers 8 warps x 32 / hb tokens x 8; up to
+# GATE_TICKET_STEPS CTAs a head block, the last of them adds the block's sums (its ticket build), beyond that one torch
+# sum does (there the last CTA's walk over the slots would outgrow the launch it saves)
+GATE_WARPS, GATE_E = 8, 8
+GATE_TICKET_STEPS = 64
+
+
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
              g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
@@ -47,10 +53,11 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     cumsum (that API's form; dg is still with respect to the raw g). v_first: initial_state, dht and the returned dh0
     are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP).
     gate: FLA's activations applied by the kernels (g / beta are the raw gate / logits; dg and dbeta are with respect to
-    them); with gate.gate a seventh result, [2, Hv, tiles] fp32: dA_log's (0) and dt_bias's (1) partial sums per
-    64-token tile (gate_sums)."""
+    them); with gate.gate a seventh result, [2, Hv] fp32: dA_log's (0) and dt_bias's (1) gradients (gate_sums)."""
     dt = q.dtype
-    saved: dict = {}
+    # gdn_gate_bwd's ticket build counts on words the recompute's gdn_plan zeroes: one a head block
+    hb, steps, mode = gate_backward_shape(problem.batch * problem.tokens, problem.num_v_heads)
+    saved: dict = {"zero_words": -(-problem.num_v_heads // hb)} if gate.gate and mode == "ticket" else {}
     # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
     # SAVE_CHAIN_BESIDE_DH the save chain runs on a side stream beside the dh chain (fork / join by events, parallel
     # branches in a CUDA graph), else before it on the caller's stream
@@ -89,10 +96,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     return (dq, dk, dv, dg, dbeta, dh0) + ((part,) if part is not None else ())
 
 
-def gate_sums(part: torch.Tensor):
-    """(dA_log, d dt_bias) [Hv] fp32 from gdn_gate_bwd's per-tile partial sums [2, Hv, tiles]: one torch sum over the
-    tiles, in a fixed order (bit-identical repeats)."""
-    sums = part.sum(-1)
+def gate_sums(sums: torch.Tensor):
+    """(dA_log, d dt_bias) [Hv] fp32 from the backward's [2, Hv] sums."""
     return sums[0], sums[1]
 
 
@@ -209,15 +214,32 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
 
 def _gate_backward(problem: Problem, saved: dict, gate: KernelGate, beta, dg, dbeta):
     """gdn_gate_bwd: dg / dbeta turned in place into the raw g's and beta logits' gradients; returns dA_log's and
-    dt_bias's partial sums [2, Hv, tiles] with the raw gate, else None."""
+    dt_bias's gradients [2, Hv] with the raw gate, else None."""
     dev = dg.device
     NT, Hv = problem.batch * problem.tokens, problem.num_v_heads
-    tiles = -(-NT // GATE_TILE)
-    part = empty(2, Hv, tiles, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
-    launch(GATE_KERNEL, {"tile": GATE_TILE}, dev, {"NT": NT, "Hv": Hv, "NB": tiles, "gate_mode": gate.mode},
+    hb, steps, mode = gate_backward_shape(NT, Hv)
+    # [2, Hv, 1 + step]: slot 0 the ticket build's total, slot 1 + s step s's sums (a contiguous torch sum's order)
+    part = empty(2, Hv, 1 + steps, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
+    tickets = saved.get("zeros") if mode == "ticket" else None
+    if gate.gate and mode == "ticket" and tickets is None:
+        raise RuntimeError("internal: gdn_gate_bwd's ticket build needs the recompute's zeroed tickets")
+    launch(GATE_KERNEL, {"mode": mode, "hb": hb}, dev,
+           {"NT": NT, "Hv": Hv, "NP": 1 + steps, "NB": tickets.numel() if tickets is not None else 0,
+            "gate_mode": gate.mode},
            {"g": saved["g"].data_ptr(), **gate.pointers(saved["g"]), "beta": beta.data_ptr(), "dg": dg.data_ptr(),
-            "dbeta": dbeta.data_ptr(), "part": (part if part is not None else dg).data_ptr()})
-    return part
+            "dbeta": dbeta.data_ptr(), "part": (part if part is not None else dg).data_ptr(),
+            "ticket": (tickets if tickets is not None else dg).data_ptr()})
+    if part is None:
+        return None
+    return part[..., 0] if mode == "ticket" else part[..., 1:].sum(-1)
+
+
+def gate_backward_shape(tokens: int, num_v_heads: int) -> tuple:
+    """gdn_gate_bwd's (lanes a token hb, steps, build): hb the smallest of 8 / 16 / 32 that holds the heads (a warp
+    then covers 32 / hb tokens), the ticket build up to GATE_TICKET_STEPS steps."""
+    hb = 8 if num_v_heads <= 8 else 16 if num_v_heads <= 16 else 32
+    steps = -(-tokens // (GATE_WARPS * (32 // hb) * GATE_E))
+    return hb, steps, "ticket" if steps <= GATE_TICKET_STEPS else "tiles"
 
 
 def _chunk_parallel(problem: Problem, saved: dict, do_p, x, dv, dhs):

@@ -90,19 +90,20 @@ def device_cu_seqlens(problem: Problem, cu_seqlens: Optional[torch.Tensor], devi
     return cu
 
 
-def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device,
-             stream=None, want_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int32, chunk_offsets int32, seq_order int32) on the device: one small planning kernel, no host
-    synchronisation. seq_order (with want_order; unwritten otherwise) lists the sequences longest first: the
-    backward's chain kernels' dispatch order."""
+def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device, stream=None, want_order: bool = False,
+             zero_words: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(cu_seqlens int32, chunk_offsets int32, seq_order int32, zero_words int32 zeros or None) on the device: one
+    small planning kernel, no host synchronisation. seq_order (with want_order; unwritten otherwise) lists the
+    sequences longest first: the backward's chain kernels' dispatch order. The zeros are gdn_gate_bwd's tickets."""
     cu = cu_seqlens  # int32 on the device (device_cu_seqlens)
     N = problem.num_seqs
-    plan = empty(2 * N + 1, device=cu.device, dtype=torch.int32)  # one allocation for both tables
-    offsets, order = plan[:N + 1], plan[N + 1:]
-    launch("gdn_plan", {"tile": 1024}, device, {"N": N, "want_order": int(want_order)},
-            {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr()},
-            stream)
-    return cu, offsets, order
+    plan = empty(2 * N + 1 + zero_words, device=cu.device, dtype=torch.int32)  # one allocation for the tables
+    offsets, order = plan[:N + 1], plan[N + 1:2 * N + 1]
+    zeros = plan[2 * N + 1:] if zero_words else None
+    launch("gdn_plan", {"tile": 1024}, device, {"N": N, "Z": zero_words, "want_order": int(want_order)},
+           {"cu_seqlens": cu.data_ptr(), "chunk_offsets": offsets.data_ptr(), "seq_order": order.data_ptr(),
+            "zero": (zeros if zeros is not None else offsets).data_ptr()}, stream)
+    return cu, offsets, order, zeros
 
 
 def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
@@ -160,7 +161,9 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
                                fused_bv, stream, state_io, gate)
         return o, ht, None, (cu_seqlens, None)
-    cu, offsets, order = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None)
+    # the backward asks for zeroed words (saved["zero_words"]: gdn_gate_bwd's tickets) in the plan's allocation
+    cu, offsets, order, zeros = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None,
+                                         zero_words=saved.get("zero_words", 0) if saved is not None else 0)
     agb, pqk = (empty(T, Hv, CHUNK, device=dev, dtype=dt) for _ in range(2))  # (unbinding one costs more)
     # gate_free_inverse: the caller's A (checked by the API), read by gdn_prepare instead of solved again
     read_a = gate_free_inverse is not None
@@ -237,7 +240,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
         # packed views of what the backward keeps as tensors (q / k: [T, Hq, K], beta: [T, Hv])
         saved.update(q=qp.reshape(T, -1, K), k=kp.reshape(T, -1, K), beta=bp.reshape(T, Hv), agb=agb, p=pqk,
                      eg_t=eg_t, et_t=et_t, gam_t=gam_t, hs=hs, w=w, vnew=vnew, TC=TC, A=A, cu=cu, offsets=offsets,
-                     sizes=sizes, tag=tag, order=order,
+                     sizes=sizes, tag=tag, order=order, zeros=zeros,
                      slot_rows=tiles[slot_rows_at:].view(torch.int32).view(slots, 2), rn=rn, g=gp, gate=gate,
                      beta_act=beta_act)
         if state_io.index is not None:

@@ -76,10 +76,22 @@ def test_store_formulas_match_autograd(neg):
     assert torch.allclose(glog, g_log.detach(), rtol=1e-14, atol=0)
 
 
-def test_gate_sums_adds_the_tiles():
-    part = torch.arange(2 * 3 * 5, dtype=torch.float32).view(2, 3, 5)
-    da, dd = bwd.gate_sums(part)
-    assert torch.equal(da, part[0].sum(-1)) and torch.equal(dd, part[1].sum(-1))
+@pytest.mark.parametrize("tokens,hv,want", [
+    (2048, 8, (8, 8, "ticket")),        # TP8 1x2048: 256 tokens a step (four per warp)
+    (8192, 8, (8, 32, "ticket")),       # TP8 1024x8
+    (16384, 8, (8, 64, "ticket")),
+    (16385, 8, (8, 65, "tiles")),
+    (32768, 16, (16, 256, "tiles")),    # 2B-TP1 28672+4096
+    (4096, 40, (32, 64, "ticket")),     # two head blocks, the second partial
+    (1, 64, (32, 1, "ticket")),
+])
+def test_gate_backward_shape(tokens, hv, want):
+    assert bwd.gate_backward_shape(tokens, hv) == want
+
+
+def test_gate_backward_constants_match_the_kernel():
+    for name, value in (("WARPS", bwd.GATE_WARPS), ("E", bwd.GATE_E)):
+        assert module_constant("gdn_gate_bwd", name) == value, name
 
 
 def _inputs(N=3, tokens=40, hq=2, hv=4):
@@ -121,7 +133,7 @@ def test_forward_passes_the_mode(launches, monkeypatch, fused, mode):
 def test_backward_passes_the_mode(launches, mode):
     """The recompute's gdn_prepare takes the mode and, with beta logits, stores the activated beta; gdn_bwd_chunk runs
     its plain build on that beta; gdn_gate_bwd then turns its dg / dbeta into the raw inputs' gradients in place, with
-    dA_log's and dt_bias's partial sums per 64-token tile."""
+    dA_log's and dt_bias's sums (the cluster build's one slot on a call this small)."""
     problem, x = _inputs()
     gate = _gate(mode, x)
     do = torch.randn_like(x["v"])
@@ -143,9 +155,21 @@ def test_backward_passes_the_mode(launches, mode):
         assert names.index("gdn_gate_bwd") > names.index("gdn_bwd_chunk")
         assert s["gate_mode"] == mode and p["g"] == x["g"].data_ptr() and p["beta"] == cp["beta"]
         assert p["dg"] == cp["dg"] == out[3].data_ptr() and p["dbeta"] == cp["dbeta"] == out[4].data_ptr()
-        assert s["NT"] == problem.tokens and s["NB"] == -(-problem.tokens // 64)
+        hb, steps, build = bwd.gate_backward_shape(problem.tokens, problem.num_v_heads)
+        assert (s["NT"], s["Hv"], s["NP"]) == (problem.tokens, problem.num_v_heads, 1 + steps)
+        variant, = [v for n, v, _, _ in launches if n == "gdn_gate_bwd"]
+        assert variant == {"mode": build, "hb": hb}
+        # the ticket build's words: zeroed by the recompute's gdn_plan, after its tables in the same allocation
+        (plan_s, plan_p), = [(s_, p_) for n, _, s_, p_ in launches if n == "gdn_plan"]
+        if mode & gates.GATE and build == "ticket":
+            blocks = -(-problem.num_v_heads // hb)
+            assert s["NB"] == plan_s["Z"] == blocks and p["ticket"] == plan_p["zero"]
+            assert plan_p["zero"] == plan_p["seq_order"] + 4 * problem.num_seqs
+            assert names.index("gdn_plan") < names.index("gdn_gate_bwd")
+        else:
+            assert plan_s["Z"] == 0 and s["NB"] == 0
         if mode & gates.GATE:
-            assert tuple(out[6].shape) == (2, problem.num_v_heads, s["NB"]) and p["part"] == out[6].data_ptr()
+            assert tuple(out[6].shape) == (2, problem.num_v_heads)
 
 
 def test_api_routes_the_mode_to_the_kernels(monkeypatch):

@@ -219,15 +219,18 @@ def test_low_level_fwd_returns_gate_free_inverse_and_chunk_cumsum(monkeypatch):
 
 def test_plan_kernel_chunk_offsets_and_order_match_torch():
     """gdn_plan's chunk offsets, and its dispatch order: up to 1024 sequences by chunk count, longest first, ties
-    by index (a stable sort); beyond that the identity. Lengths repeat often (ties) and include empty sequences."""
+    by index (a stable sort); beyond that the identity. Lengths repeat often (ties) and include empty sequences. The
+    words it zeroes (gdn_gate_bwd's tickets) after the tables in the same allocation, over any previous contents."""
     gen = torch.Generator().manual_seed(3)
-    for n in (1, 7, 1024, 1025, 3000):
+    for n, z in ((1, 0), (7, 3), (1024, 0), (1025, 1), (3000, 1500)):
         for high in (300, 3):  # many distinct counts; then nearly all tied
             lens = torch.randint(0, high * 64, (n,), generator=gen)
             cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int().cuda()
             x = torch.zeros(1, 1, 1, 64, device="cuda").expand(1, int(cu[-1]), 1, 64)  # shapes only
             problem = flash_qla.validation.validate_inputs(x, x, x, x[..., 0], x[..., 0], cu_seqlens=cu)
-            _, offsets, order = fwd._offsets(problem, cu, cu.device, want_order=True)
+            torch.full((2 * n + 1 + z,), -7, dtype=torch.int32, device="cuda")  # freed: likely the plan's block
+            _, offsets, order, zeros = fwd._offsets(problem, cu, cu.device, want_order=True, zero_words=z)
+            assert (zeros is None) if z == 0 else (zeros.numel() == z and not zeros.any()), (n, z)
             counts = (lens + 63) // 64
             want = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
             assert torch.equal(offsets.cpu().long(), want), n

@@ -77,8 +77,11 @@ CASES = [  # lengths, hq, hv, allow_neg_eigval, dt_bias, CP segment chunks pinne
     ([1, 63, 64, 65, 200, 7], 2, 8, True, True, None),    # varlen, GVA
     ([1100, 300], 1, 4, False, True, 4),                   # intra-card CP (forward and the backward's recompute)
     ([1100, 300], 1, 4, True, True, 0),
-    # gdn_gate_bwd's sums over more tiles than its last CTA loads in one step, and a partial second block of heads
+    # gdn_gate_bwd's tiles build (82 steps) with a partial second block of heads
     ([4500, 700], 2, 40, False, True, None),
+    # its cluster build: several steps a CTA, two head blocks; and 8 heads, 4 tokens a warp, 4 steps a CTA
+    ([1500, 300], 2, 40, True, True, None),
+    ([6000, 2000], 2, 8, False, True, None),
 ]
 
 

@@ -19,11 +19,16 @@ THREADS = 1024
 
 def build(tile: int):
     N = T.dynamic("N")
+    Z = T.dynamic("Z")
 
     @T.prim_func
     def gdn_plan(cu_seqlens: T.Tensor((N + 1,), "int32"), chunk_offsets: T.Tensor((N + 1,), "int32"),
-                 seq_order: T.Tensor((N,), "int32"), want_order: T.int32):
+                 seq_order: T.Tensor((N,), "int32"), zero: T.Tensor((Z,), "int32"), want_order: T.int32):
         with T.Kernel(1, threads=THREADS) as _:
+            # Z words zeroed for a later launch of the same call (gdn_gate_bwd's tickets): no memset node
+            for blk in T.serial(T.ceildiv(Z, tile)):
+                if blk * tile + T.get_thread_binding() < Z:
+                    zero[blk * tile + T.get_thread_binding()] = 0
             counts = T.alloc_shared((tile,), "int32")
             lens = T.alloc_shared((tile,), "int32")  # chunk counts for the ranking (counts holds the scan)
             carry = T.alloc_shared((1,), "int32")
