@@ -22,8 +22,8 @@ from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
                      dense, empty, join, launch, num_sms, packed, side_stream)
-from .planner import (OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v, plan_forward, plan_heads_per_cta,
-                      plan_irregular_block_v)
+from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v,
+                      plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 from .states import PLAIN_IO, StateIO
 from .tuning import settings
 from .validation import Problem
@@ -159,7 +159,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
-                               fused_bv, stream, state_io, gate)
+                               fused_bv, stream, state_io, gate, plan.fused_ctas)
         return o, ht, None, (cu_seqlens, None)
     # the backward asks for zeroed words (saved["zero_words"]: gdn_gate_bwd's tickets) in the plan's allocation
     cu, offsets, order, zeros = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None,
@@ -298,8 +298,10 @@ def _heads_per_cta(problem: Problem, device: torch.device) -> int:
 
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
-                   bv: int, stream, state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE):
-    """The forward in one launch (gdn_fwd_fused at V block bv): (o [T, Hv, V], final state or an empty tensor)."""
+                   bv: int, stream, state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE,
+                   ctas: Optional[int] = None):
+    """The forward in one launch (gdn_fwd_fused at V block bv, at most ctas persistent CTAs: the plan's, else the
+    tuning pin's or FUSED_PERSISTENT_CTAS): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
@@ -309,7 +311,7 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
     launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
-             "gate_mode": gate.mode,
+             "gate_mode": gate.mode, "max_ctas": settings.fused_ctas_max or ctas or FUSED_PERSISTENT_CTAS,
              "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
             {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),

@@ -126,6 +126,12 @@ FUSED_FIT_US = {64: (2.445, 7.75), 128: (3.456, 11.81)}       # gdn_fwd_fused: (
 # FUSED_STREAM_US[0] + [1] x the last chunk's fill (its tokens / 64) us each, plus FUSED_STREAM_US[2] per round of
 # CTAs (a CTA's first item and its ramp)
 FUSED_PERSISTENT_CTAS = 528
+# Batches of one-chunk sequences up to FUSED_ONE_ROUND_ITEMS items an SM run one CTA an SM instead: each CTA walks its
+# items with the next item's inputs, products and state in flight, where a grid of 528 starts every item cold (H100,
+# same call, bit-identical outputs: 1.06-1.13x on 256-1024 items of 8-64 tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms,
+# TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full chunks, which keep 528). The prediction keeps the
+# 528-CTA model: the cap only shortens a plan the model already chose.
+FUSED_ONE_ROUND_ITEMS = 8
 FUSED_STREAM_US = {64: (5.130, 0.433, 3.808), 128: (8.287, 1.550, 4.640)}
 CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
@@ -146,6 +152,7 @@ class ForwardPlan(NamedTuple):
     heads_per_cta: Optional[int]     # gdn_prepare's (split)
     segment_chunks: Optional[int]    # CP's L
     predicted_us: float
+    fused_ctas: Optional[int] = None  # gdn_fwd_fused's persistent grid cap (None: FUSED_PERSISTENT_CTAS)
 
 
 def _fit(table: dict, bv: int) -> tuple:
@@ -211,7 +218,8 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                 t = max(longest_chunks * c + f, _fused_stream_us(tokens, num_seqs, items, bv, c, num_sms, l2norm))
             else:
                 t = chain_us(items, c, f)
-            plans.append(ForwardPlan("fused", bv, None, None, t))
+            one_round = longest_chunks == 1 and items <= FUSED_ONE_ROUND_ITEMS * num_sms
+            plans.append(ForwardPlan("fused", bv, None, None, t, num_sms if one_round else None))
     if path in (None, "split"):
         for bv in chain_blocks:
             if block_v in chain_blocks and bv != block_v:

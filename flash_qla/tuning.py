@@ -36,6 +36,8 @@ class Tuning:
     save_chain_beside_dh: bool = True
     # gdn_bwd_chunk's CTA count cap (None: one per SM); small caps push several items through each CTA's loop.
     chunk_ctas_max: Optional[int] = None
+    # gdn_fwd_fused's persistent grid cap (None: planner.FUSED_PERSISTENT_CTAS).
+    fused_ctas_max: Optional[int] = None
     # Replay recorded plans (flash_qla/plans.py); False runs every call as written, through the Python launches
     # (tests that watch those launches).
     replay: bool = True

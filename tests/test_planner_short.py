@@ -45,3 +45,15 @@ def test_many_short_sequences_without_gqa_take_the_persistent_fused_kernel(token
     # streamed items (H100: fused 0.608 / 0.730 ms, prepare + chain 0.639 / 0.885 at 8 / 64 tokens)
     plan = plan_forward(512 * tokens, 512, 16, 16, 128, 132, (64, 128), (64, 128), cp.SEGMENT_CHUNKS)
     assert (plan.path, plan.block_v) == ("fused", 128)
+
+
+@pytest.mark.parametrize("seqs,tokens,hv,want", [
+    (64, 8, 8, 132),      # 512 one-chunk items: one CTA an SM walks them
+    (16, 64, 64, 132),    # 1024 items, full chunks
+    (256, 64, 64, None),  # 16384 items: the 528-CTA grid
+    (8, 1024, 64, None),  # multi-chunk sequences
+])
+def test_one_chunk_batches_run_one_cta_an_sm(seqs, tokens, hv, want):
+    plan = plan_forward(seqs * tokens, seqs, hv, hv // 4, 128, 132, (64, 128), (64, 128), cp.SEGMENT_CHUNKS,
+                        path="fused")
+    assert plan.fused_ctas == want

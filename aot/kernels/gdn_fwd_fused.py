@@ -22,7 +22,7 @@ Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last va
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
 State I/O as gdn_fwd_chain's out build: [.., K, V] or V-first states, read from / written to a pool's rows through
 state_idx (state_mode, aot/kernels/state_io.py).
-Persistent CTAs: at most PERSISTENT_CTAS CTAs, each walking the items (sequence, v-head, V block) cta, cta + ctas, ...
+Persistent CTAs: at most max_ctas CTAs (a launch parameter), each walking the items (sequence, v-head, V block) cta, cta + ctas, ...
 one after the other through the same stages, so the producer and the aux warpgroup run ahead into the next item's
 chunks while the consumers finish one; the consumers start each item by asking L2 for the next item's initial state
 (cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and the state bytes
@@ -56,8 +56,8 @@ REGS = {64: (32, 240, 232), 128: (24, 176, 136)}   # BV: (producer, consumer, au
 # load + aux time must fit in (STAGES - 1) chain steps; shared memory allows three at BV = 64, two at BV = 128
 STAGES = {64: 3, 128: 2}
 STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to shared memory (BV = 128)
-# CTAs of the persistent grid: four per SM of a 132-SM card (one CTA fits an SM), so that a card with fewer SMs
-# (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
+# the host's default cap of the persistent grid: four per SM of a 132-SM card (one CTA fits an SM), so that a card
+# with fewer SMs (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
 PERSISTENT_CTAS = 528
 PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
 # an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes)
@@ -108,8 +108,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         store_ht: T.int32,
         state_mode: T.int32,
         gate_mode: T.int32,
+        max_ctas: T.int32,         # the persistent grid's size cap (the host's: PERSISTENT_CTAS or one per SM)
     ):
-        with T.Kernel(T.min(N * Hv * NB, PERSISTENT_CTAS), threads=THREADS, prelude=PREFETCH_L2) as (cta,):
+        with T.Kernel(T.min(N * Hv * NB, max_ctas), threads=THREADS, prelude=PREFETCH_L2) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
             k_s = T.alloc_shared((stages, C, K), dt)
             v_s = T.alloc_shared((stages, C, BV), dt)
@@ -138,7 +139,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             ready = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([128 * NC] * stages)
             # this CTA's items: cta, cta + ctas, ... in the order (sequence, v-head, V block), the V block fastest
-            ctas = T.min(N * Hv * NB, PERSISTENT_CTAS)
+            ctas = T.min(N * Hv * NB, max_ctas)
             items = T.ceildiv(N * Hv * NB - cta, ctas)
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
