@@ -1,4 +1,6 @@
 """Shared fixtures: GPU-marked tests skip themselves unless an sm_90 GPU is present."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,3 +44,15 @@ def launches(monkeypatch):
     monkeypatch.setattr(settings, "save_chain_beside_dh", False)  # no side stream
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     return seen
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_text(*parts: str) -> str:
+    """A file of the repository (kernel sources, committed benchmark results), or a skip where the installed wheel is
+    tested from a copy of tests/ alone (ci/test_installed.sh)."""
+    path = REPO.joinpath(*parts)
+    if not path.is_file():
+        pytest.skip(f"{'/'.join(parts)}: a repository file, absent beside the installed wheel's tests")
+    return path.read_text()

@@ -2,9 +2,9 @@
 per CTA, and the plain forward's plan (fused, prepare + chain or intra-card CP) against committed measurements."""
 import json
 import math
-from pathlib import Path
 
 import pytest
+from conftest import repo_text
 
 from flash_qla.cp import SEGMENT_CHUNKS
 from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v, plan_forward,
@@ -63,7 +63,6 @@ def test_plan_heads_per_cta(slots, hv, hq, want):
 
 
 FUSED, CHAIN = (64, 128), (64, 128)
-SWEEP = Path(__file__).resolve().parent.parent / "bench" / "results" / "h100"
 
 
 def forward_plan(tokens, n, hq, hv, l2norm=False, fused=FUSED, **pins):
@@ -101,7 +100,7 @@ def test_heads_per_cta_divides_the_gva_ratio():
 
 def _sweep_rows():
     for name in ("plan_sweep.jsonl", "plan_sweep_l2norm.jsonl"):
-        for line in (SWEEP / name).read_text().splitlines():
+        for line in repo_text("bench", "results", "h100", name).splitlines():
             row = json.loads(line)
             if row["equal_lengths"]:  # the host sees only token and sequence counts: lengths are planned as equal
                 yield row

@@ -3,19 +3,17 @@ H100 on 16 to 512 sequences of 8 to 64 tokens at the standard head configuration
 kernel's CTA count the planner models."""
 import json
 import re
-from pathlib import Path
 
 import pytest
+from conftest import repo_text
 
 from flash_qla import cp
 from flash_qla.planner import FUSED_PERSISTENT_CTAS, plan_forward
 
-ROOT = Path(__file__).resolve().parent.parent
-SWEEP = ROOT / "bench" / "results" / "h100" / "plan_sweep_short.jsonl"
 
 
 def test_persistent_cta_count_matches_the_kernel():
-    src = (ROOT / "aot" / "kernels" / "gdn_fwd_fused.py").read_text()
+    src = repo_text("aot", "kernels", "gdn_fwd_fused.py")
     found = re.search(r"^PERSISTENT_CTAS = (\d+)", src, re.M)
     assert found and int(found.group(1)) == FUSED_PERSISTENT_CTAS
 
@@ -29,7 +27,7 @@ def test_short_batch_plans_against_the_committed_sweep():
     """The plan chosen for each shape costs its measured time: within 3% of the best measured plan on at least 90%
     of the 64 shapes, never 1.25x."""
     ratios = []
-    for line in SWEEP.read_text().splitlines():
+    for line in repo_text("bench", "results", "h100", "plan_sweep_short.jsonl").splitlines():
         row = json.loads(line)
         plan = plan_forward(row["tokens"], row["seqs"], row["hv"], row["hq"], 128, 132, (64, 128), (64, 128),
                             cp.SEGMENT_CHUNKS)

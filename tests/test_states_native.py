@@ -3,9 +3,9 @@ states and write final states (state_mode, state_idx, the rows of h0 / ht) for e
 against its cubin's parameter list in the manifest (a missing size or pointer is the error a GPU would give). The
 GPU tests (tests/test_gpu_states.py) check what the kernels then compute."""
 import ast
-from pathlib import Path
 
 import pytest
+from conftest import repo_text
 import torch
 
 from flash_qla import backward as bwd
@@ -14,12 +14,11 @@ from flash_qla import states
 from flash_qla.tuning import settings
 from flash_qla.validation import validate_inputs
 
-ROOT = Path(__file__).resolve().parent.parent
 STATE_KERNELS = {"gdn_fwd_fused", "gdn_fwd_chain", "gdn_bwd_recompute", "gdn_bwd_dh"}
 
 
 def test_state_mode_bits_match_the_kernels():
-    tree = ast.parse((ROOT / "aot" / "kernels" / "state_io.py").read_text())
+    tree = ast.parse(repo_text("aot", "kernels", "state_io.py"))
     kernel_side = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    for t in n.targets}
     assert kernel_side == {"V_FIRST": states.V_FIRST, "READ_INDEXED": states.READ_INDEXED,
