@@ -54,6 +54,8 @@ class Tuning:
     def __setattr__(self, name: str, value) -> None:
         if name != "generation" and name not in {f.name for f in dataclasses.fields(self)}:
             raise AttributeError(f"flash_qla.tuning has no setting {name!r}")
+        if name.endswith("_ctas_max") and value is not None and not (isinstance(value, int) and value > 0):
+            raise ValueError(f"flash_qla.tuning.{name} must be a positive int or None, got {value!r}")
         object.__setattr__(self, name, value)
         if name != "generation":
             object.__setattr__(self, "generation", self.generation + 1)

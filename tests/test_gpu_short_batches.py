@@ -102,3 +102,30 @@ def test_many_items_v_first_and_pool_match_the_plain_call(K, V, BV, monkeypatch)
         want[idx[live].long()] = layout(ht_want[live])
         o, _ = forward(x, work, False, StateIO(v_first=v_first, index=idx, pool_read=True, write=work))
         assert torch.equal(o, o_want) and torch.equal(work, want)
+
+
+@pytest.mark.parametrize("K,V,BV", BUILDS)
+def test_any_grid_cap_gives_the_same_bits(K, V, BV, monkeypatch):
+    """The persistent grid's cap (the planner's one CTA an SM on one-chunk batches, the default 528, or a few CTAs
+    walking hundreds of items each) changes which CTA runs an item, never its arithmetic."""
+    monkeypatch.setattr(settings, "force_block_v", BV)
+    rng = random.Random(5)
+    lens = [rng.choice((1, 8, 40, 64)) for _ in range(120)]
+    x = inputs(lens, 4, 8, K, V, seed=3)
+    got = {}
+    for cap in (None, torch.cuda.get_device_properties(0).multi_processor_count, 7):
+        monkeypatch.setattr(settings, "fused_ctas_max", cap)
+        got[cap] = forward(x, x["h0"], True)
+    first = got[None]
+    for cap, (o, ht) in got.items():
+        assert torch.equal(o, first[0]) and torch.equal(ht, first[1]), cap
+    ref_o, ref_ht = reference.chunked_gated_delta_rule(
+        x["q"].double(), x["k"].double(), x["v"].double(), x["g"].double(), x["beta"].double(),
+        initial_state=x["h0"].double(), output_final_state=True, cu_seqlens=x["cu"].cpu())
+    assert rel(first[0], ref_o) < 1e-2 and rel(first[1], ref_ht) < 1e-2
+
+
+def test_one_chunk_batches_plan_one_cta_an_sm():
+    x = inputs([48] * 64, 2, 8, 128, 128, seed=4)
+    plan = fwd.forward_plan(x["problem"], "bf16", torch.device("cuda"), False, False)
+    assert plan.path == "fused" and plan.fused_ctas == torch.cuda.get_device_properties(0).multi_processor_count

@@ -112,6 +112,10 @@ def test_tuning_changes_bump_the_generation_and_reject_unknown_settings():
     assert settings.generation == before + 2 and settings.force_block_v is None
     with pytest.raises(AttributeError, match="no setting"):
         settings.force_blockv = 64
+    for bad in (0, -3, 1.5):  # a grid cap the kernels could not launch with
+        with pytest.raises(ValueError, match="fused_ctas_max must be a positive int"):
+            settings.fused_ctas_max = bad
+    assert settings.fused_ctas_max is None
 
 
 def _problem(**changes):
