@@ -8,9 +8,10 @@ Subcommands (the GPU-machine steps of one sweep, then the merge here):
   matrix OUT.json                 the sweep as a matrix file in the peers' format: `python -m flash_qla.bench --matrix
                                   OUT.json --pass fwd` times ours, `.peers/run_peers.sh .peers qla OUT.json ...` and
                                   `run_peers.sh .peers fi ...` the peers, on the same seeded inputs
-  profile --hq --hv --seqs --tokens [--v-first] [--calls N] [--split]
+  profile --hq --hv --seqs --tokens [--v-first] [--calls N] [--split] [--fused-ctas N]
                                   runs one row's call N times (for ncu); --split prints each kernel's mean GPU time
-                                  (torch.profiler) and the state bytes' rate
+                                  (torch.profiler) and the state bytes' rate; --fused-ctas pins gdn_fwd_fused's
+                                  grid cap (A/B of the planner's choice)
   plans --out F [--shapes SUBSTRING] [--candidates PREFIXES]
                                   every sweep shape timed under each forward plan of scripts/plan_sweep.py (CUDA graph)
                                   and under the planner's choice: JSON lines in plan_sweep's schema, set "short"
@@ -118,6 +119,8 @@ def summary(rows: List[dict]) -> dict:
 def _profile(args) -> None:
     import torch
     import flash_qla
+    from flash_qla.tuning import settings
+    settings.fused_ctas_max = args.fused_ctas
     from flash_qla.bench.inputs import draw_inputs
     from flash_qla.bench.matrix import BenchRow
     row = BenchRow("fwd", "profile", args.hq, args.hv, label(args.seqs, args.tokens), (args.tokens,) * args.seqs,
@@ -209,6 +212,8 @@ def main(argv=None) -> int:
     pr.add_argument("--v-first", action="store_true")
     pr.add_argument("--calls", type=int, default=1)
     pr.add_argument("--split", action="store_true")
+    pr.add_argument("--fused-ctas", type=int, default=None,
+                    help="pin gdn_fwd_fused's persistent grid cap (tuning.fused_ctas_max; default: the planner's)")
     pl = sub.add_parser("plans")
     pl.add_argument("--out", required=True)
     pl.add_argument("--shapes", default="")
