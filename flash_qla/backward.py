@@ -15,8 +15,8 @@
    epilogue differentiates the normalisation from the raw rows: no torch pass, no autograd.
 With FLA's fused activations (a gates.KernelGate) the recompute activates the raw g / beta as the forward did;
 gdn_prepare also stores the activated beta for gdn_bwd_chunk (beta logits only), and gdn_gate_bwd, after it, turns
-dg / dbeta into the gradients of the raw g and beta logits, with per-(token tile, v-head) partial sums of dA_log and
-dt_bias's gradient (gate_sums adds them over the tiles).
+dg / dbeta into the gradients of the raw g and beta logits and sums dA_log and dt_bias's gradient per v-head (its
+last CTA of each head block on small calls, one torch sum of its per-step sums on large ones).
 No host synchronisation: the whole backward can be captured in a CUDA graph.
 """
 from __future__ import annotations

@@ -100,7 +100,7 @@ def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_
 
 def _finish_backward(dq, dk, dv, dg, dbeta, dh0, part=None, *, dtypes):
     grads = (dq, dk, dv, dg, dbeta, dh0)
-    if part is not None:  # the raw gate: dA_log and dt_bias's gradient from the per-tile partial sums
+    if part is not None:  # the raw gate: dA_log and dt_bias's gradient, [2, Hv]
         grads += gate_sums(part)
     return _converted(grads, dtypes)
 

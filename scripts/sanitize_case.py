@@ -84,7 +84,7 @@ with torch.no_grad(), tuning.override(use_fused=True):
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     tuning.settings.force_block_v = None
 # FLA's activations in the kernels: raw gate with A_log / dt_bias and beta logits (gdn_prepare stores the activated
-# beta, gdn_gate_bwd writes the raw inputs' gradients and per-tile sums); 40 v-heads: a partial second block of heads
+# beta, gdn_gate_bwd writes the raw inputs' gradients and per-head sums); 40 v-heads: a partial second block of heads
 hg = 40
 g_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)
 b_raw = torch.randn(1, T, hg, device="cuda", requires_grad=True)

@@ -137,7 +137,7 @@ def test_forward_passes_the_mode(launches, monkeypatch, fused, mode):
 def test_backward_passes_the_mode(launches, mode):
     """The recompute's gdn_prepare takes the mode and, with beta logits, stores the activated beta; gdn_bwd_chunk runs
     its plain build on that beta; gdn_gate_bwd then turns its dg / dbeta into the raw inputs' gradients in place, with
-    dA_log's and dt_bias's sums (the cluster build's one slot on a call this small)."""
+    dA_log's and dt_bias's sums (the ticket build on a call this small: the tickets gdn_plan zeroed)."""
     problem, x = _inputs()
     gate = _gate(mode, x)
     do = torch.randn_like(x["v"])

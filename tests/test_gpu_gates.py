@@ -79,7 +79,7 @@ CASES = [  # lengths, hq, hv, allow_neg_eigval, dt_bias, CP segment chunks pinne
     ([1100, 300], 1, 4, True, True, 0),
     # gdn_gate_bwd's tiles build (82 steps) with a partial second block of heads
     ([4500, 700], 2, 40, False, True, None),
-    # its cluster build: several steps a CTA, two head blocks; and 8 heads, 4 tokens a warp, 4 steps a CTA
+    # its ticket build: 29 steps over two head blocks (the last CTA of each sums it); 8 heads, 4 tokens a warp, 32 steps
     ([1500, 300], 2, 40, True, True, None),
     ([6000, 2000], 2, 8, False, True, None),
 ]
