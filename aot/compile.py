@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import tilelang
 from tilelang import tvm
@@ -44,7 +44,6 @@ class CompiledKernel:
     spills: int
     compile_seconds: float
     source: str = field(repr=False, default="")
-    cluster: Optional[List[int]] = None  # compile-time thread block cluster (T.ClusterKernel), or None
 
 
 def _expr(e) -> str:
@@ -139,14 +138,8 @@ def launch_metadata(artifact) -> Dict[str, Any]:
             block[axis] = _int(extent)
         else:
             grid[axis] = _expr(extent)
-    # a cluster (T.ClusterKernel) becomes a compile-time __cluster_dims__ (cluster_source), which the loader's plain
-    # cuLaunchKernel honours: TileLang itself would launch it with cuLaunchKernelEx's cluster attribute
-    cluster = [int(c) for c in attrs["cluster_dims"]] if "cluster_dims" in attrs else None
-    if cluster is not None:
-        for axis, c in enumerate(cluster):
-            if c > 1 and not (grid[axis].isdigit() and int(grid[axis]) % c == 0):
-                raise NotImplementedError(f"cluster {cluster}: grid axis {axis} ({grid[axis]}) must be a constant "
-                                          f"multiple of {c}")
+    if "cluster_dims" in attrs:
+        raise NotImplementedError("cluster launches are not supported by the loader")
     smem = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
 
     tma_args = {}
@@ -165,22 +158,7 @@ def launch_metadata(artifact) -> Dict[str, Any]:
         else:
             raise NotImplementedError(f"kernel parameter {name} has unsupported dtype {p.dtype}")
     return {"symbol": str(attrs["global_symbol"]) if "global_symbol" in attrs else gvar.name_hint,
-            "block": block, "grid": grid, "smem": smem, "params": params, "cluster": cluster}
-
-
-def cluster_source(source: str, symbol: str, cluster: Optional[List[int]]) -> str:
-    """The kernel's definition (its line ends with '{'; the declaration's with ';') with __cluster_dims__."""
-    if cluster is None:
-        return source
-    head = 'extern "C" __global__ void '
-    lines = source.split("\n")
-    defs = [i for i, ln in enumerate(lines)
-            if ln.startswith(head) and f" {symbol}(" in f" {ln[len(head):]}" and ln.rstrip().endswith("{")]
-    if len(defs) != 1:
-        raise RuntimeError(f"{symbol}: expected one kernel definition to give __cluster_dims__, found {len(defs)}")
-    ln = lines[defs[0]]
-    lines[defs[0]] = head + "__cluster_dims__({}, {}, {}) ".format(*cluster) + ln[len(head):]
-    return "\n".join(lines)
+            "block": block, "grid": grid, "smem": smem, "params": params}
 
 
 def compile_kernel(prim_func, pass_configs=None) -> CompiledKernel:
@@ -188,11 +166,10 @@ def compile_kernel(prim_func, pass_configs=None) -> CompiledKernel:
     start = time.perf_counter()
     artifact = lower(prim_func, pass_configs)
     meta = launch_metadata(artifact)
-    source = cluster_source(artifact.kernel_source, meta["symbol"], meta["cluster"])
-    cubin, log = nvcc_cubin(source)
+    cubin, log = nvcc_cubin(artifact.kernel_source)
     regs, spills = _ptxas_stats(log)
     serialized = wgmma_serialization(log)
     if serialized:  # a silent 2x: every wgmma waits for the previous one (measured on gdn_fwd_chain drafts)
         raise RuntimeError(f"{meta['symbol']}: ptxas serialised the asynchronous wgmmas: {serialized}")
     return CompiledKernel(cubin=cubin, registers=regs, spills=spills,
-                          compile_seconds=time.perf_counter() - start, source=source, **meta)
+                          compile_seconds=time.perf_counter() - start, source=artifact.kernel_source, **meta)

@@ -232,7 +232,6 @@ class KernelEntry:
     cubin_bytes: Optional[int] = None
     compile_seconds: Optional[float] = None
     shared_carveout: Optional[int] = None  # percent of the SM's L1 / shared memory as shared (None: the driver's)
-    cluster: Optional[Tuple[int, int, int]] = None  # compiled-in thread block cluster (the grid is a multiple)
 
     @property
     def signature(self) -> bytes:
@@ -424,13 +423,8 @@ def _parse_kernel(p: _P, obj: Any, path: str) -> KernelEntry:
     if cs is not None and (isinstance(cs, bool) or not isinstance(cs, (int, float))):
         p.fail(f"{path}.compile_seconds", f"must be a number, got {cs!r}")
     carveout = p.int_(obj, "shared_carveout", path, required=False, lo=0, hi=100)
-    cluster = obj.get("cluster")
-    if cluster is not None and (not isinstance(cluster, list) or len(cluster) != 3 or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cluster)):
-        p.fail(f"{path}.cluster", f"must be 3 positive integers, got {cluster!r}")
     return KernelEntry(key, kernel, dict(variant), file, sha.lower(), source_hash, symbol, tuple(block), smem,
-                       grid, params, registers, spills, cubin_bytes, cs, carveout,
-                       tuple(cluster) if cluster is not None else None)  # type: ignore[arg-type]
+                       grid, params, registers, spills, cubin_bytes, cs, carveout)  # type: ignore[arg-type]
 
 
 def parse_manifest(data: Any, source: str = "") -> Manifest:

@@ -85,26 +85,3 @@ assert "reading accumulator registers" in wgmma_serialization(log)
 assert wgmma_serialization("ptxas info    : Used 168 registers, 0 bytes spill stores") == ""
 """
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
-
-
-def test_cluster_dims_go_on_the_kernel_definition():
-    """A T.ClusterKernel's cluster becomes __cluster_dims__ on the definition (the loader's plain cuLaunchKernel then
-    launches clusters); the declaration stays as it is. In a subprocess (aot.compile imports TileLang)."""
-    if importlib.util.find_spec("tilelang") is None:
-        pytest.skip("TileLang is not installed")
-    probe = """
-from aot.compile import cluster_source
-src = ('extern "C" __global__ void k(float* x);\\n'
-       'extern "C" __global__ void __launch_bounds__(256, 1) k(float* x) {\\n  x[0] = 1;\\n}')
-out = cluster_source(src, "k", [8, 1, 1]).split("\\n")
-assert out[0] == 'extern "C" __global__ void k(float* x);', out[0]
-assert out[1] == 'extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256, 1) k(float* x) {', out[1]
-assert cluster_source(src, "k", None) == src
-try:
-    cluster_source(src, "other", [8, 1, 1])
-except RuntimeError as e:
-    assert "one kernel definition" in str(e)
-else:
-    raise AssertionError("no definition must fail")
-"""
-    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)

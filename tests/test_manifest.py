@@ -122,8 +122,6 @@ MALFORMED = [
     ("kernels/0/compile_seconds", "3s", "kernels[0].compile_seconds"),
     ("kernels/0/shared_carveout", 101, "kernels[0].shared_carveout"),
     ("kernels/0/shared_carveout", "max", "kernels[0].shared_carveout"),
-    ("kernels/0/cluster", [8, 1], "kernels[0].cluster"),
-    ("kernels/0/cluster", [8, 0, 1], "kernels[0].cluster"),
 ]
 
 
@@ -155,9 +153,6 @@ def test_optional_fields_and_int_min_driver():
     assert p.kernels[0].shared_carveout is None  # the driver's split
     m["kernels"][0]["shared_carveout"] = 100
     assert parse_manifest(m).kernels[0].shared_carveout == 100
-    assert p.kernels[0].cluster is None  # no thread block cluster
-    m["kernels"][0]["cluster"] = [8, 1, 1]
-    assert parse_manifest(m).kernels[0].cluster == (8, 1, 1)
 
 
 def test_empty_kernel_list_is_valid():
