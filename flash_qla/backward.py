@@ -55,9 +55,13 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     gate: FLA's activations applied by the kernels (g / beta are the raw gate / logits; dg and dbeta are with respect to
     them); with gate.gate a seventh result, [2, Hv] fp32: dA_log's (0) and dt_bias's (1) gradients (gate_sums)."""
     dt = q.dtype
-    # gdn_gate_bwd's ticket build counts on words the recompute's gdn_plan zeroes: one a head block
-    hb, steps, mode = gate_backward_shape(problem.batch * problem.tokens, problem.num_v_heads)
-    saved: dict = {"zero_words": -(-problem.num_v_heads // hb)} if gate.gate and mode == "ticket" else {}
+    saved: dict = {}
+    if gate.mode:  # gdn_gate_bwd's shape; its ticket build counts on words the recompute's gdn_plan zeroes
+        shape = gate_backward_shape(problem.batch * problem.tokens, problem.num_v_heads)
+        saved["gate_shape"] = shape
+        hb, _, mode = shape
+        if gate.gate and mode == "ticket":
+            saved["zero_words"] = -(-problem.num_v_heads // hb)  # one a head block
     # gdn_bwd_recompute's save chain (hs, W, Vnew) and gdn_bwd_dh's chain both need only gdn_prepare's outputs: with
     # SAVE_CHAIN_BESIDE_DH the save chain runs on a side stream beside the dh chain (fork / join by events, parallel
     # branches in a CUDA graph), else before it on the caller's stream
@@ -217,7 +221,7 @@ def _gate_backward(problem: Problem, saved: dict, gate: KernelGate, beta, dg, db
     dt_bias's gradients [2, Hv] with the raw gate, else None."""
     dev = dg.device
     NT, Hv = problem.batch * problem.tokens, problem.num_v_heads
-    hb, steps, mode = gate_backward_shape(NT, Hv)
+    hb, steps, mode = saved["gate_shape"]
     # [2, Hv, 1 + step]: slot 0 the ticket build's total, slot 1 + s step s's sums (a contiguous torch sum's order)
     part = empty(2, Hv, 1 + steps, device=dev, dtype=torch.float32, output="gate_part") if gate.gate else None
     tickets = saved.get("zeros") if mode == "ticket" else None

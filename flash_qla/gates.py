@@ -10,8 +10,8 @@ ops, and the mode the kernels take to apply them themselves.
 On the kernel path both are fused (:class:`KernelGate`, bits of ``gate_mode``, aot/kernels/gate_act.py): gdn_prepare
 and gdn_fwd_fused activate g / beta where they load them (before gamma's cumsum and intra-card CP's bound, which then
 sees beta in (0, 2)); the backward's recompute does the same and stores the activated beta, gdn_bwd_chunk runs its
-plain build, and gdn_gate_bwd turns its dg / dbeta into d raw g and d raw b in place, with dA_log and dt_bias's
-gradient as per-(64-token tile, head) partial sums that one torch sum adds (deterministic: no atomics). gdn_prepare
+plain build, and gdn_gate_bwd turns its dg / dbeta into d raw g and d raw b in place and sums dA_log and dt_bias's
+gradient per head in a fixed order (deterministic: no float atomics). gdn_prepare
 and gdn_fwd_fused serve every mode from one build (a CTA-uniform branch, no variants added). The kernels read g as
 float32: a bf16 / fp16 raw g takes one conversion pass before the call.
 The functions below run for the CPU reference, torch.compile and the multi-GPU path, and are what the fused kernels

@@ -128,9 +128,9 @@ FUSED_FIT_US = {64: (2.445, 7.75), 128: (3.456, 11.81)}       # gdn_fwd_fused: (
 FUSED_PERSISTENT_CTAS = 528
 # Batches of one-chunk sequences up to FUSED_ONE_ROUND_ITEMS items an SM run one CTA an SM instead: each CTA walks its
 # items with the next item's inputs, products and state in flight, where a grid of 528 starts every item cold (H100,
-# same call, bit-identical outputs: 1.06-1.13x on 256-1024 items of 8-64 tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms,
-# TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full chunks, which keep 528). The prediction keeps the
-# 528-CTA model: the cap only shortens a plan the model already chose.
+# same call, bit-identical outputs, bench/results/h100/fused_ctas_ab.jsonl: 1.06-1.13x on 256-1024 items of 8-64
+# tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms, TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full
+# chunks, which keep 528). The prediction keeps the 528-CTA model: the cap only shortens a plan it already chose.
 FUSED_ONE_ROUND_ITEMS = 8
 FUSED_STREAM_US = {64: (5.130, 0.433, 3.808), 128: (8.287, 1.550, 4.640)}
 CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
