@@ -23,31 +23,33 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
   * the main pass (the public ``flash_qla.chunk_gated_delta_rule``: the sm_90a kernels on CUDA, the reference on
     CPU) runs the whole shard at once, a sequence continued from the previous rank entering with zero state; its
     final state of the last local sequence is Z, the state this rank hands on;
-  * beside it (on CUDA a high-priority side stream): the head window, the first W = ``warmup_tokens`` tokens of a
-    first sequence continued from the previous rank, run from the identity for (Q, M), and one all-gather of a flag
-    per rank saying whether its window was long enough (one host read, of the side stream);
-  * after the main pass, one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds
-    its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks, h = Z[s] + M[s] h);
-    the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds the whole first
-    sequence.
+  * beside it (on CUDA a high-priority side stream, issued while the main pass's first kernel runs): the head
+    window, the first W = ``warmup_tokens`` tokens of a first sequence continued from the previous rank, run from
+    the identity for (Q, M) without intra-card CP (a plain chain of a few CTAs, which the stream's priority keeps
+    beside the main pass), and its miss flag (whether its window was long enough), on the device;
+  * after the main pass, one all-gather of every rank's Z, its flag (and M, for a rank inside one sequence whose
+    window holds its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
+    h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds
+    the whole first sequence.
 The serial work after the main pass is that all-gather, one bmm and the add. The windows cut the chain where the
 transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5 of the state entering
 the window, below bf16 resolution; the same bound on rank r's head window bounds the part of h_in(r) that rank r
 hands on (dropped from Z). A window longer than SHORT_TOKENS is first tried at SHORT_TOKENS per v-head: where the
 gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the
-gate (the heads of real models, whose gates decay; one host read of the side stream decides); the other heads (g = 0
-heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their window's M (per
-head). Past the head window the cut also relies on the later factors being non-expansive, as GDN's gates and
-normalised keys make them (not read: checking would mean reading the whole shard's k). Where some window on some rank
-misses the bound, every rank sees the flag and runs its head window over the whole first sequence, transitions
-chained, which is also what ``warmup_tokens=0`` does from the start. Host reads per forward: the gate test (where a
-window is split) and the flags, both of the side stream while the main pass runs.
+gate (the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass
+runs); the other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius
+norm of their window's M (per head). Past the head window the cut also relies on the later factors being
+non-expansive, as GDN's gates and normalised keys make them (not read: checking would mean reading the whole shard's
+k). The flags travel with the leaving states and are read once, at the end of the call (its one synchronisation
+with the host): where some window on some rank missed the bound, every rank runs the call again with its head window
+over the whole first sequence, transitions chained, which is also what ``warmup_tokens=0`` does from the start.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
-sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient before its local backward. Beside that
-local backward, the head window's passes are differentiated for the correction's share of dq, dk, dg, dbeta (added in
-place into the first tokens' gradients).
+sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient. Then one local backward of the main pass
+run from h_in (the library's backward recomputes from the initial state it is given): the forward's o equals that
+pass's output up to the window's bound, so this one backward gives every local gradient, the correction's share
+included, with no pass over the head window.
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
@@ -204,11 +206,13 @@ class _Call:
     backend: str
     state_dtype: torch.dtype
     group_size: int           # v-heads per q/k head
+    problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
 
-    def run(self, q, k, v, g, beta, h0=None, final=True, cu=None):
+    def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=self.scale, initial_state=h0, output_final_state=final,
-                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend)
+                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend,
+                                      auto_cp=auto_cp)
 
 
 _EYES: dict = {}
@@ -241,37 +245,33 @@ class _Piece:
     its o is q carried back to the shard's start (the entering state's part of o is o @ h_in), its final state the
     transition. The correction it makes covers tokens [skip, w) (a shorter piece covers the tokens before)."""
     idx: Optional[torch.Tensor]
-    qk_idx: Optional[torch.Tensor]
     w: int
     skip: int
-    leaves: tuple                       # its (q, k, g, beta), leaves when built with grad
-    out: tuple                          # (o [1, w, H, K], final [1, H, K, K]) with their graph
+    out: tuple                          # (o [1, w, H, K], final [1, H, K, K])
     corr: Optional[torch.Tensor] = None  # [H, w - skip, V]
 
     @property
     def q_back(self) -> torch.Tensor:   # [H, w - skip, K]
-        return self.out[0].detach()[0, self.skip:].transpose(0, 1)
+        return self.out[0][0, self.skip:].transpose(0, 1)
 
     @property
     def m(self) -> torch.Tensor:        # [H, K, K]
-        return self.out[1].detach()[0]
+        return self.out[1][0]
 
     def heads(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t if self.idx is None else t.index_select(dim, self.idx)
 
 
-def _head_piece(call: _Call, x, idx, w: int, skip: int, graph: bool) -> _Piece:
-    q, k, v, g, beta = (t[:, :w] for t in x)
-    sel = _select(call, idx, (q, k, None, g, beta), with_v=False)
-    leaves = tuple(t.detach() for t in sel)
-    if graph:
-        leaves = tuple(t.requires_grad_(src.requires_grad) for t, src in zip(leaves, (x[0], x[1], x[3], x[4])))
+def _head_piece(call: _Call, x, idx, w: int, skip: int) -> _Piece:
+    """No intra-card CP inside (auto_cp=False): its pre-pass would queue on the internal side streams behind the
+    main pass's, while a plain chain of a few CTAs runs beside the main pass at this stream's priority."""
+    q, k, v, g, beta = (t[:, :w].detach() for t in x)
+    lq, lk, lg, lb = _select(call, idx, (q, k, None, g, beta), with_v=False)
     H, K = v.shape[2] if idx is None else idx.numel(), q.shape[3]
-    with torch.set_grad_enabled(graph):
-        lq, lk, lg, lb = leaves
-        out = call.run(lq, lk, lq.new_zeros(1, w, H, K, dtype=v.dtype), lg, lb, _eye(K, H, call.state_dtype, q.device))
-    qk_idx = None if idx is None else torch.div(idx, call.group_size, rounding_mode="floor")
-    return _Piece(idx, qk_idx, w, skip, leaves, out)
+    with torch.no_grad():
+        out = call.run(lq, lk, lq.new_zeros(1, w, H, K, dtype=v.dtype), lg, lb, _eye(K, H, call.state_dtype, q.device),
+                       auto_cp=False)
+    return _Piece(idx, w, skip, out)
 
 
 def _too_large(m: torch.Tensor) -> torch.Tensor:
@@ -354,18 +354,6 @@ class _Side:
                 if t is not None:
                     t.record_stream(self.main)
 
-    def mark(self):
-        """An event on the main stream at this point (None on CPU)."""
-        if self.stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(self.main)
-        return ev
-
-    def wait(self, ev) -> None:
-        if ev is not None:
-            self.stream.wait_event(ev)
-
     def join(self) -> None:
         if self.stream is not None:
             self.main.wait_stream(self.stream)
@@ -431,21 +419,21 @@ def _long_heads(call: _Call, lay: _Layout, x):
     return len(longs), idx
 
 
-def _head_windows(call: _Call, lay: _Layout, x, graph: bool) -> Tuple[List[_Piece], torch.Tensor]:
-    """The head window's passes and whether some head's window missed the bound (0-d bool); run on the side
-    stream."""
+def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Tensor]:
+    """The head window's passes and whether some head's window missed the bound (0-d bool, on the device); run on
+    the side stream."""
     Hv, dev = x[2].shape[2], x[2].device
     pieces, misses = [], []
     with torch.profiler.record_function("cp.forward.head_window"):
         if lay.head:
             long_head = _long_heads(call, lay, x)
             if long_head is not None and long_head[0] < Hv:     # the gate bounds the short window for some heads
-                pieces.append(_head_piece(call, x, None, SHORT_TOKENS, 0, graph))
+                pieces.append(_head_piece(call, x, None, SHORT_TOKENS, 0))
                 if long_head[0]:
-                    pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS, graph))
+                    pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS))
                     misses.append(_too_large(pieces[-1].m))
             else:
-                pieces.append(_head_piece(call, x, None, lay.head, 0, graph))
+                pieces.append(_head_piece(call, x, None, lay.head, 0))
                 if not lay.head_covers:
                     misses.append(_too_large(pieces[-1].m))
         miss = torch.stack(misses).any() if misses else torch.zeros((), dtype=torch.bool, device=dev)
@@ -453,10 +441,11 @@ def _head_windows(call: _Call, lay: _Layout, x, graph: bool) -> Tuple[List[_Piec
 
 
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
-              v: torch.Tensor, K: int) -> _Boundary:
+              miss: torch.Tensor, v: torch.Tensor, K: int) -> Tuple[_Boundary, torch.Tensor]:
     """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
-    sequence; None: that sequence ends here) and, with carry_m, its transition; then the correction by the entering
-    state. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device."""
+    sequence; None: that sequence ends here), its window's miss flag and, with carry_m, its transition; then the
+    correction by the entering state. Runs on the caller's stream after the main pass; v (this rank's shard) gives
+    Hv, V and the device. Returns the boundary and whether any rank's window missed (0-d bool, on the device)."""
     Hv, V = v.shape[2], v.shape[3]
     sd, dev = call.state_dtype, v.device
     with torch.profiler.record_function("cp.forward.exchange"):
@@ -464,7 +453,8 @@ def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece],
         if lay.carry_m:
             m = pieces[0].m if (lay.transit and lay.head_covers) else None
             parts.append((m if m is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1).to(sd))
-        rows = _all_gather(ctx, torch.cat(parts) if len(parts) > 1 else parts[0])
+        parts.append(miss.reshape(1).to(sd))
+        rows = _all_gather(ctx, torch.cat(parts))
     with torch.profiler.record_function("cp.forward.correction"):
         n_c, n_m = Hv * K * V, Hv * K * K
         Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
@@ -476,7 +466,7 @@ def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece],
                 p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
                 s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
-    return _Boundary(lay, pieces, h_in, Ms, s_corr)
+    return _Boundary(lay, pieces, h_in, Ms, s_corr), rows[:, -1].amax() > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,111 +478,97 @@ _ROW0_ERROR = ("initial_state row 0 belongs to global sequence {seq}, continued 
 
 @dataclass
 class _Saved:
-    main_in: tuple            # the main pass's leaves (q, k, v, g, beta, h0 or None)
-    main_out: tuple           # its (o, final or None) with their graph
+    x: tuple                  # the call's (q, k, v, g, beta), detached
+    initial_state: Optional[torch.Tensor]
     b: _Boundary
 
 
-def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, graph: bool):
-    """(o, final state or None, what the backward needs or None)."""
+def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False):
+    """(o, final state or None, boundary). One host read of the device, at the end: whether some rank's window
+    missed its bound, in which case every rank runs the call again with its boundaries exact."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
     h_own = initial_state
     if initial_state is not None and ctx.pre_num_ranks > 0:
         h_own = initial_state.detach().clone()
         h_own[0] = 0
-    if graph:
-        main_in = tuple(t.detach().requires_grad_(t.requires_grad) for t in x) + (
-            None if h_own is None else h_own.detach().requires_grad_(initial_state.requires_grad),)
-    else:
-        main_in = tuple(x) + (h_own,)
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
-    with torch.profiler.record_function("cp.forward.local"), torch.set_grad_enabled(graph):
-        o_m, ht_m = _run_local(call, ctx, *main_in, final)
-    # beside it: the head window and the bound's flags (the host reads wait for this stream alone)
-    STATS["calls"] += 1
-    with side:
+    with torch.profiler.record_function("cp.forward.local"), torch.no_grad():
+        o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
+    # beside it: the head window (its gate test's host read waits for this stream alone)
+    with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        lay = _layout(ctx, False)
-        pieces, miss = _head_windows(call, lay, x, graph)
-        with torch.profiler.record_function("cp.forward.flags"):
-            missed = bool(_all_gather(ctx, miss.reshape(1).to(call.state_dtype)).amax() > 0)
-        if missed:                                  # every rank saw the same flags: all run the boundaries exactly
-            STATS["exact_fallback"] += 1
-            lay = _layout(ctx, True)
-            pieces, _ = _head_windows(call, lay, x, graph)
-        side.hand(*(t for p in pieces for t in p.out))
+        lay = _layout(ctx, exact)
+        pieces, miss = _head_windows(call, lay, x)
+        side.hand(miss, *(t for p in pieces for t in p.out))
     side.join()
-    # after the main pass: the exchange of leaving states and the correction
-    z = ht_m.detach()[-1] if ctx.post_num_ranks > 0 else None
-    b = _exchange(call, ctx, lay, pieces, z, v, q.shape[3])
-    o = o_m.detach()
-    for p in b.pieces:
-        if p.corr is not None:
-            dst = o[0, p.skip:p.w]
-            if p.idx is None:
-                dst.add_(p.corr.transpose(0, 1))
-            else:
-                dst.index_add_(1, p.idx, p.corr.transpose(0, 1))
-            p.corr = None
-    ht = None
-    if want_final:
-        ht = ht_m.detach()
-        if b.s_corr is not None:
-            ht = ht.clone()
-            ht[0] += b.s_corr.to(ht.dtype)
-    saved = _Saved(main_in, (o_m, ht_m if final else None), b) if graph else None
-    return o, ht, saved
-
-
-def _head_window_backward(side: "_Side", ready, b: "_Boundary", do, seed_final, sd):
-    """On the side stream (after the event ``ready``, if any): the gradients of the head window's passes for the
-    correction o += Q h_in (and final += M h_in where seed_final, the gradient of local sequence 0's final state, is
-    given). Returns [(piece, leaf indices, gradients)] to add in once the side stream is joined."""
-    adds = []
-    if not b.pieces or (do is None and seed_final is None):
-        return adds
-    with side, torch.profiler.record_function("cp.backward.correction"):
-        side.wait(ready)
-        if do is not None:
-            side.keep(do)
+    # after the main pass: the exchange of leaving states (and the flags) and the correction
+    z = ht_m[-1] if ctx.post_num_ranks > 0 else None
+    with torch.no_grad():
+        b, missed = _exchange(call, ctx, lay, pieces, z, miss, v, q.shape[3])
+        o = o_m
         for p in b.pieces:
-            want = [i for i, t in enumerate(p.leaves) if t.requires_grad]
-            if not want:
-                continue
-            outs, seeds = [], []
-            h_t = p.heads(b.h_in, 0).transpose(-1, -2)
-            if do is not None:
-                dq_back = torch.bmm(p.heads(do[0, :p.w], 1).transpose(0, 1), h_t.to(do.dtype))   # [H, w, K]
-                if p.skip:
-                    dq_back[:, :p.skip] = 0           # those tokens' correction is the shorter piece's
-                outs.append(p.out[0])
-                seeds.append(dq_back.transpose(0, 1)[None].to(p.out[0].dtype))
-            if seed_final is not None:
-                outs.append(p.out[1])
-                seeds.append((seed_final[0].to(sd) @ h_t)[None].to(p.out[1].dtype))
-            hgot = torch.autograd.grad(outs, [p.leaves[i] for i in want], seeds, allow_unused=True)
-            side.hand(*hgot)
-            adds.append((p, want, hgot))
-    return adds
+            if p.corr is not None:
+                dst = o[0, p.skip:p.w]
+                if p.idx is None:
+                    dst.add_(p.corr.transpose(0, 1))
+                else:
+                    dst.index_add_(1, p.idx, p.corr.transpose(0, 1))
+                p.corr = None
+        ht = None
+        if want_final:
+            ht = ht_m
+            if b.s_corr is not None:
+                ht[0] += b.s_corr.to(ht.dtype)
+    if not exact and bool(missed):                  # every rank saw the same flags: all run the boundaries exactly
+        STATS["exact_fallback"] += 1
+        return _forward(call, ctx, x, initial_state, want_final, exact=True)
+    return o, ht, b
+
+
+def _local_backward(call: _Call, ctx: "CPContext", x, h0, do, dht):
+    """(dq, dk, dv, dg, dbeta, dh0) of the main pass run from the initial states h0 (row 0: the entering state of a
+    sequence continued from an earlier rank), with the whole final-state gradient dht (or None): the sm_90a kernels'
+    backward on CUDA, autograd through the reference elsewhere."""
+    from .api import select_backend
+    q, k, v, g, beta = x
+    if select_backend(q.device, call.backend) == "kernels":
+        from .kernel_api import run_backward
+        return run_backward(call.problem, q, k, v, g, beta, h0, ctx.cu_seqlens, call.l2norm, do, dht)
+    leaves = [t.detach().requires_grad_(True) for t in x] + ([h0.detach().requires_grad_(True)] if h0 is not None
+                                                            else [])
+    with torch.enable_grad():
+        o, ht = _run_local(call, ctx, *leaves[:5], leaves[5] if h0 is not None else None, dht is not None)
+        outs, seeds = [o], [do]
+        if dht is not None:
+            outs.append(ht)
+            seeds.append(dht.to(ht.dtype))
+        got = torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
+    got = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, got)]
+    return tuple(got[:5]) + ((got[5],) if h0 is not None else (None,))
 
 
 def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
-    """Gradients (q, k, v, g, beta, initial_state) of this rank's call; exchanges with the other ranks' backward."""
+    """Gradients (q, k, v, g, beta, initial_state) of this rank's call; exchanges with the other ranks' backward.
+
+    The gradient of the state entering this rank, D (its head window's Q^T do), is exchanged first; then one local
+    backward of the main pass from the entering state h_in, with the gradient arriving from later ranks added to its
+    last sequence's final-state gradient. That backward differentiates o = main pass from h_in, which the forward's
+    o (the main pass from zero plus the window's correction Q h_in) equals up to the window's bound, so the
+    correction's share of dq, dk, dg, dbeta needs no pass of its own."""
     b, lay = s.b, s.b.lay
-    o_m, ht_m = s.main_out
-    v = s.main_in[2]
-    Hv, K, V = v.shape[2], s.main_in[0].shape[3], v.shape[3]
+    v = s.x[2]
+    Hv, K, V = v.shape[2], s.x[0].shape[3], v.shape[3]
     sd, dev = call.state_dtype, v.device
-    side = _Side(dev)
-    # the gradient of the state entering this rank (its head window's), exchanged at once
+    if do is None:
+        do = torch.zeros_like(v)
     with torch.profiler.record_function("cp.backward.exchange"):
         D = None
-        for p in (b.pieces if do is not None else ()):
+        for p in b.pieces:
             d = _bmm_f32(p.q_back.transpose(1, 2), p.heads(do[0, p.skip:p.w], 1).transpose(0, 1)).to(sd)
             if p.idx is None:
                 D = d if D is None else D + d
@@ -606,51 +582,32 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
         dht_all = dht
         if ctx.post_num_ranks > 0:
             dht_all = dht.clone() if dht is not None else \
-                torch.zeros(ctx.num_seqs, Hv, K, V, dtype=ht_m.dtype, device=dev)
+                torch.zeros(ctx.num_seqs, Hv, K, V, dtype=torch.float32, device=dev)
             dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
-    ready = side.mark()
-    # the local backward, with the whole final-state gradient
+    h0 = s.initial_state
+    if b.h_in is not None:                               # local sequence 0 enters with the earlier ranks' state
+        h0 = h0.detach().clone() if h0 is not None else \
+            torch.zeros(ctx.num_seqs, Hv, K, V, dtype=torch.float32, device=dev)
+        h0[0] = b.h_in.to(h0.dtype)
     with torch.profiler.record_function("cp.backward.local"):
-        outs, seeds = [o_m], [do if do is not None else torch.zeros_like(o_m)]
-        if ht_m is not None and dht_all is not None:
-            outs.append(ht_m)
-            seeds.append(dht_all.to(ht_m.dtype))
-        wanted = [i for i, t in enumerate(s.main_in) if t is not None and t.requires_grad]
-        got = torch.autograd.grad(outs, [s.main_in[i] for i in wanted], seeds, allow_unused=True)
-        grads: List[Optional[torch.Tensor]] = [None] * 6
-        for i, gr in zip(wanted, got):
-            grads[i] = gr
-    # beside it: the head window's share of the gradients. Issued after the local backward: issued first, its host
-    # work (an autograd pass per window piece) delayed the local backward's start by more than it saved (4 x H100)
-    covers_seed = lay.head_covers and dht_all is not None
-    adds = _head_window_backward(side, ready, b, do, dht_all if covers_seed else None, sd)
-    side.join()
-    slot = (0, 1, 3, 4)                                  # a piece's leaves (q, k, g, beta) -> input index
-    for p, want, hgot in adds:
-        for i, hg in zip(want, hgot):
-            j = slot[i]
-            if hg is None:
-                continue
-            if grads[j] is None:
-                grads[j] = torch.zeros_like(s.main_in[j])
-            dst, idx = grads[j][:, :p.w], (p.qk_idx if i < 2 else p.idx)
-            if idx is None:
-                dst += hg.to(dst.dtype)
-            else:
-                dst.index_add_(2, idx, hg.to(dst.dtype))
-    if grads[5] is not None and ctx.pre_num_ranks > 0:
+        grads = list(_local_backward(call, ctx, s.x, h0, do, dht_all))
+    if s.initial_state is None:
+        grads[5] = None
+    elif grads[5] is not None and ctx.pre_num_ranks > 0:
         grads[5][0] = 0                                  # row 0 is not read: its state comes from the previous rank
     return tuple(grads)
 
 
 class _CP(torch.autograd.Function):
-    """The linked call as one autograd node: the main pass and the head window keep their own graphs (through the
-    public function), and the backward runs the reverse exchange before the local backward."""
+    """The linked call as one autograd node: the forward keeps its inputs and boundary (no graph), the backward
+    runs the reverse exchange, then the local backward from the entering state."""
 
     @staticmethod
     def forward(fctx, call, ctx, want_final, q, k, v, g, beta, initial_state):
-        o, ht, saved = _forward(call, ctx, (q, k, v, g, beta), initial_state, want_final, graph=True)
-        fctx.call, fctx.cp, fctx.saved = call, ctx, saved
+        x = tuple(t.detach() for t in (q, k, v, g, beta))
+        h0 = initial_state.detach() if initial_state is not None else None
+        o, ht, b = _forward(call, ctx, x, h0, want_final)
+        fctx.call, fctx.cp, fctx.saved = call, ctx, _Saved(x, h0, b)
         return o, ht
 
     @staticmethod
@@ -700,14 +657,16 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, state_dtype,
-                 problem.num_v_heads // problem.num_qk_heads)
+                 problem.num_v_heads // problem.num_qk_heads, problem)
     if not (ctx.world_size > 1 and ctx.has_links):
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        STATS["calls"] += 1
         return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
-    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state, graph=False)
+    STATS["calls"] += 1
+    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state)
     return o, ht
 
 
