@@ -34,7 +34,8 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
 The serial work after the main pass is that all-gather, one bmm and the add. The windows cut the chain where the
 transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5 of the state entering
 the window, below bf16 resolution; the same bound on rank r's head window bounds the part of h_in(r) that rank r
-hands on (dropped from Z). A window longer than SHORT_TOKENS is first tried at SHORT_TOKENS per v-head: where the
+hands on (dropped from Z). A window longer than SHORT_TOKENS (on CUDA: whose chains need more than a quarter of
+the SMs; a smaller one runs whole for every head) is first tried at SHORT_TOKENS per v-head: where the
 gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the
 gate (the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass
 runs); the other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius
@@ -408,9 +409,15 @@ def _long_heads(call: _Call, lay: _Layout, x):
     """The v-heads whose head window needs its full length and a measured transition, as (count, index tensor or
     None), or None where the window is not split: a window longer than SHORT_TOKENS that does not hold its whole
     sequence is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream; the index
-    tensor is made while the stream is idle)."""
+    tensor is made while the stream is idle). On CUDA a window whose chains fit a quarter of the SMs is not split:
+    every head runs it whole beside the main pass, which costs less than the host read and the selections."""
     if not (lay.head > SHORT_TOKENS and not lay.head_covers):
         return None
+    v = x[2]
+    if v.is_cuda:
+        from .launch import num_sms
+        if v.shape[2] * -(-v.shape[3] // 64) <= num_sms(v.device) // 4:
+            return None
     bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
     longs = [h for h, ok in enumerate(bounded) if not ok]
     STATS["split_windows"] += 1
@@ -441,10 +448,11 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
 
 
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
-              miss: torch.Tensor, v: torch.Tensor, K: int) -> Tuple[_Boundary, torch.Tensor]:
+              miss: torch.Tensor, v: torch.Tensor, K: int, o: torch.Tensor) -> Tuple[_Boundary, torch.Tensor]:
     """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
     sequence; None: that sequence ends here), its window's miss flag and, with carry_m, its transition; then the
-    correction by the entering state. Runs on the caller's stream after the main pass; v (this rank's shard) gives
+    correction by the entering state: into o (the main pass's output) in place for a piece of every head, into the
+    piece's corr for one of some heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives
     Hv, V and the device. Returns the boundary and whether any rank's window missed (0-d bool, on the device)."""
     Hv, V = v.shape[2], v.shape[3]
     sd, dev = call.state_dtype, v.device
@@ -463,7 +471,10 @@ def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece],
             h_in = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V), Ms)
             for p in pieces:
                 qb = p.q_back
-                p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
+                if p.idx is None:   # o[:w] += Q h_in in place, rounded once: [H, w, V] is a strided view of o
+                    o[0, p.skip:p.w].transpose(0, 1).baddbmm_(qb, h_in.to(qb.dtype))
+                else:
+                    p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
                 s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
     return _Boundary(lay, pieces, h_in, Ms, s_corr), rows[:, -1].amax() > 0
@@ -509,15 +520,12 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     # after the main pass: the exchange of leaving states (and the flags) and the correction
     z = ht_m[-1] if ctx.post_num_ranks > 0 else None
     with torch.no_grad():
-        b, missed = _exchange(call, ctx, lay, pieces, z, miss, v, q.shape[3])
+        b, missed = _exchange(call, ctx, lay, pieces, z, miss, v, q.shape[3], o_m)
         o = o_m
         for p in b.pieces:
             if p.corr is not None:
                 dst = o[0, p.skip:p.w]
-                if p.idx is None:
-                    dst.add_(p.corr.transpose(0, 1))
-                else:
-                    dst.index_add_(1, p.idx, p.corr.transpose(0, 1))
+                dst.index_add_(1, p.idx, p.corr.transpose(0, 1))
                 p.corr = None
         ht = None
         if want_final:
