@@ -45,7 +45,7 @@ GATE_TICKET_STEPS = 64
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
-             g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE):
+             g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE, before_dht=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
     dtypes (dg and dbeta float32; flash_qla/kernel_api.py converts). dg is with respect to the raw g; dh0 is None without an
     initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
@@ -53,7 +53,11 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     cumsum (that API's form; dg is still with respect to the raw g). v_first: initial_state, dht and the returned dh0
     are [N, Hv, V, K], read and written so by the kernels (only where native_v_first says so: no intra-card CP).
     gate: FLA's activations applied by the kernels (g / beta are the raw gate / logits; dg and dbeta are with respect to
-    them); with gate.gate a seventh result, [2, Hv] fp32: dA_log's (0) and dt_bias's (1) gradients (gate_sums)."""
+    them); with gate.gate a seventh result, [2, Hv] fp32: dA_log's (0) and dt_bias's (1) gradients (gate_sums).
+    before_dht (context parallelism across ranks, flash_qla/distributed.py): called once, right before the first
+    launch that reads dht (the dh chain's reverse combine, or the chain), with every earlier launch queued: dht (a
+    float32 contiguous tensor, read in place) may be written in between by work it queues on another stream, the
+    current stream waiting for it."""
     dt = q.dtype
     saved: dict = {}
     if gate.mode:  # gdn_gate_bwd's shape; its ticket build counts on words the recompute's gdn_plan zeroes
@@ -70,6 +74,8 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     with torch.no_grad():
         do_p = packed(do.to(dt))  # both kernels read it: packed once
         dht_c = dht.float().contiguous() if dht is not None else None
+        if before_dht is not None and dht_c is not dht:
+            raise ValueError("internal: before_dht needs dht float32 and contiguous (it is written in place)")
         early: dict = {}
 
         def start_reverse_pre_pass(seg, reverse):
@@ -79,7 +85,7 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
             early["stream"] = pre = side_stream(q.device, "dh_pre_pass")
             join(pre, main)
             with torch.cuda.stream(pre):
-                early["ds_out"] = _dh_cp_pre_pass(problem, saved, seg, *reverse, do_p, dht_c)
+                early["ds_out"] = _dh_cp_pre_pass(problem, saved, seg, *reverse, do_p, dht_c, before_dht)
             for buf in (do_p, dht_c, seg.cu, seg.slot, seg.base, *reverse):
                 if buf is not None:
                     buf.record_stream(pre)
@@ -92,7 +98,7 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
         if "stream" in early:
             join(main, early["stream"])
         dv, x, dhs, dh0 = _reverse_recurrence(problem, saved, do_p, dht_c, initial_state is not None,
-                                              early.get("ds_out"), v_first)
+                                              early.get("ds_out"), v_first, None if "stream" in early else before_dht)
         if side is not None:
             join(main, side)  # gdn_bwd_chunk reads hs, W, Vnew
         raw = (dense(q), dense(k)) if use_qk_l2norm else None
@@ -117,23 +123,25 @@ def _dh_pointers(saved: dict, do_p, dht_c, scratch) -> dict:
             "seq_order": saved["order"].data_ptr()}
 
 
-def _dh_cp_pre_pass(problem: Problem, saved: dict, seg, rend, rfallback, do_p, dht_c) -> torch.Tensor:
+def _dh_cp_pre_pass(problem: Problem, saved: dict, seg, rend, rfallback, do_p, dht_c, before_dht=None) -> torch.Tensor:
     """The dh chain's CP pre-pass and reverse combine (flash_qla/cp.py) over the recompute's segments, on the
-    current stream: [S, Hv, K, V] fp32, the gradient of the state leaving each segment."""
+    current stream: [S, Hv, K, V] fp32, the gradient of the state leaving each segment. before_dht: backward's."""
     pointers = dict(_dh_pointers(saved, do_p, dht_c, saved["agb"]), cu_seqlens=seg.cu.data_ptr(),
                     chunk_offsets=seg.slot.data_ptr(), rend=rend.data_ptr(), rfallback=rfallback.data_ptr())
     sizes = dict(saved["sizes"], use_dht=0, store_dh0=1, ordered=0, state_mode=0)
     return fwd.cp_pre_pass_and_combine(DH_KERNEL, problem, saved["tag"], seg, rfallback, sizes, pointers, "dh0", dht_c,
-                                       True, current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans")
+                                       True, current_stream(do_p.device), (rend,), side_name="dh_pre_pass_trans",
+                                       before_combine=before_dht)
 
 
 def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bool,
-                        ds_out: Optional[torch.Tensor] = None, v_first: bool = False):
+                        ds_out: Optional[torch.Tensor] = None, v_first: bool = False, before_dht=None):
     """gdn_bwd_dh over the recompute's intermediates; do_p is dO packed [T, Hv, V] in the inputs' dtype, dht_c the
     final-state gradient (fp32, contiguous) or None. When the recompute ran intra-card CP, so does this chain
     (reverse warm-ups, exact transposed transitions, a reverse combine; flash_qla/cp.py), over the same segments:
     ds_out is that pre-pass's result when the caller already launched it (_dh_cp_pre_pass), else it runs here.
-    v_first: dht and dh0 are [N, Hv, V, K] (no CP: the recompute refused V-first h0 with it)."""
+    v_first: dht and dh0 are [N, Hv, V, K] (no CP: the recompute refused V-first h0 with it). before_dht: backward's
+    (None where the caller's pre-pass already called it)."""
     dev = do_p.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k,
                       problem.head_dim_v, problem.num_seqs)
@@ -149,7 +157,8 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     if "cp" in saved:
         seg, rend, rfallback = saved["cp"]
         if ds_out is None:
-            ds_out = _dh_cp_pre_pass(problem, saved, seg, rend, rfallback, do_p, dht_c)
+            ds_out = _dh_cp_pre_pass(problem, saved, seg, rend, rfallback, do_p, dht_c, before_dht)
+        before_dht = None
         # the segments run as sequences from the gradient of the state leaving each
         pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), dht=ds_out.data_ptr())
         sizes.update(N=seg.count, use_dht=1, ordered=0, state_mode=0)  # equal segments: in index order
@@ -160,6 +169,8 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
     if dh0 is not None:
         pointers.update(dh0=dh0.data_ptr())
     bv = fwd._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
+    if before_dht is not None:
+        before_dht()
     launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
         dh0 = fwd.SegmentStates(dh0, seg.base[:N], seg.last, dht_c, seg.count)

@@ -540,13 +540,8 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
 
 def _local_backward(call: _Call, ctx: "CPContext", x, h0, do, dht):
     """(dq, dk, dv, dg, dbeta, dh0) of the main pass run from the initial states h0 (row 0: the entering state of a
-    sequence continued from an earlier rank), with the whole final-state gradient dht (or None): the sm_90a kernels'
-    backward on CUDA, autograd through the reference elsewhere."""
-    from .api import select_backend
-    q, k, v, g, beta = x
-    if select_backend(q.device, call.backend) == "kernels":
-        from .kernel_api import run_backward
-        return run_backward(call.problem, q, k, v, g, beta, h0, ctx.cu_seqlens, call.l2norm, do, dht)
+    sequence continued from an earlier rank), with the whole final-state gradient dht (or None), by autograd through
+    the public function (the reference backend; the kernels' backward is kernel_api.run_backward_linked)."""
     leaves = [t.detach().requires_grad_(True) for t in x] + ([h0.detach().requires_grad_(True)] if h0 is not None
                                                             else [])
     with torch.enable_grad():
@@ -563,42 +558,67 @@ def _local_backward(call: _Call, ctx: "CPContext", x, h0, do, dht):
 def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
     """Gradients (q, k, v, g, beta, initial_state) of this rank's call; exchanges with the other ranks' backward.
 
-    The gradient of the state entering this rank, D (its head window's Q^T do), is exchanged first; then one local
-    backward of the main pass from the entering state h_in, with the gradient arriving from later ranks added to its
-    last sequence's final-state gradient. That backward differentiates o = main pass from h_in, which the forward's
-    o (the main pass from zero plus the window's correction Q h_in) equals up to the window's bound, so the
-    correction's share of dq, dk, dg, dbeta needs no pass of its own."""
+    One local backward of the main pass from the entering state h_in, whose last sequence's final-state gradient takes
+    what arrives from later ranks: the gradient of the state entering each rank, D (its head window's Q^T do), is
+    exchanged by one all-gather. On CUDA that exchange runs on a high-priority side stream from the point where the
+    local backward first reads the final-state gradient (the dh chain's reverse combine), so it overlaps the recompute
+    and pre-passes before it. The backward differentiates o = main pass from h_in, which the forward's o (the main pass
+    from zero plus the window's correction Q h_in) equals up to the window's bound, so the correction's share of dq,
+    dk, dg, dbeta needs no pass of its own."""
     b, lay = s.b, s.b.lay
     v = s.x[2]
     Hv, K, V = v.shape[2], s.x[0].shape[3], v.shape[3]
     sd, dev = call.state_dtype, v.device
+    from .api import select_backend
+    kernels = select_backend(dev, call.backend) == "kernels"
     if do is None:
         do = torch.zeros_like(v)
-    with torch.profiler.record_function("cp.backward.exchange"):
-        D = None
-        for p in b.pieces:
-            d = _bmm_f32(p.q_back.transpose(1, 2), p.heads(do[0, p.skip:p.w], 1).transpose(0, 1)).to(sd)
-            if p.idx is None:
-                D = d if D is None else D + d
-            else:
-                D = (D if D is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).index_add(0, p.idx, d)
-        if D is None:
-            D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
-        if lay.head_covers and dht is not None:
-            D = D + b.pieces[0].m.transpose(-1, -2).to(sd) @ dht[0].to(sd)
-        rows = _all_gather(ctx, D.reshape(-1))
-        dht_all = dht
-        if ctx.post_num_ranks > 0:
-            dht_all = dht.clone() if dht is not None else \
-                torch.zeros(ctx.num_seqs, Hv, K, V, dtype=torch.float32, device=dev)
-            dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
+    dht_all = dht
+    if ctx.post_num_ranks > 0:                           # written in place by the exchange
+        dd = torch.float32 if kernels else (dht.dtype if dht is not None else torch.float32)
+        dht_all = (dht.to(dd, copy=True).contiguous() if dht is not None else
+                   torch.zeros(ctx.num_seqs, Hv, K, V, dtype=dd, device=dev))
     h0 = s.initial_state
     if b.h_in is not None:                               # local sequence 0 enters with the earlier ranks' state
         h0 = h0.detach().clone() if h0 is not None else \
             torch.zeros(ctx.num_seqs, Hv, K, V, dtype=torch.float32, device=dev)
         h0[0] = b.h_in.to(h0.dtype)
+    side = _Side(dev)
+    calls = []
+
+    def exchange() -> None:      # D, its all-gather and the gradient arriving from later ranks, into dht_all[-1]
+        calls.append(1)
+        with side, torch.no_grad(), torch.profiler.record_function("cp.backward.exchange"):
+            side.keep(do, dht, dht_all)
+            D = None
+            for p in b.pieces:
+                d = _bmm_f32(p.q_back.transpose(1, 2), p.heads(do[0, p.skip:p.w], 1).transpose(0, 1)).to(sd)
+                if p.idx is None:
+                    D = d if D is None else D + d
+                else:
+                    D = (D if D is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).index_add(0, p.idx, d)
+            if D is None:
+                D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
+            if lay.head_covers and dht is not None:
+                D = D + b.pieces[0].m.transpose(-1, -2).to(sd) @ dht[0].to(sd)
+            rows = _all_gather(ctx, D.reshape(-1))
+            if ctx.post_num_ranks > 0:
+                dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
+        if side.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(side.stream)
+            torch.cuda.current_stream(dev).wait_event(ready)
+
     with torch.profiler.record_function("cp.backward.local"):
-        grads = list(_local_backward(call, ctx, s.x, h0, do, dht_all))
+        if kernels:
+            from .kernel_api import run_backward_linked
+            grads = list(run_backward_linked(call.problem, *s.x, h0, ctx.cu_seqlens, call.l2norm, do, dht_all,
+                                             exchange))
+        else:
+            exchange()
+            grads = list(_local_backward(call, ctx, s.x, h0, do, dht_all))
+    if len(calls) != 1:
+        raise RuntimeError(f"internal: the context-parallel backward exchanged {len(calls)} times, not once")
     if s.initial_state is None:
         grads[5] = None
     elif grads[5] is not None and ctx.pre_num_ranks > 0:

@@ -384,13 +384,15 @@ def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: 
 
 def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
                             pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
-                            keep=(), side_name: str = "side") -> torch.Tensor:
+                            keep=(), side_name: str = "side", before_combine=None) -> torch.Tensor:
     """The CP pre-pass of a chain kernel (gdn_fwd_chain for the forward, gdn_bwd_dh for the backward: its "state"
     build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
     gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
     pointer its CP builds store to; boundary: h0 (forward) or dht (backward), or None for zeros. Returns
     [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it. side_name: the
-    transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own)."""
+    transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own).
+    before_combine: called right before the combine, the first launch that reads the boundary (which work it queues
+    on another stream may still write, the current stream waiting for it)."""
     dev = seg.cu.device
     Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
     # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
@@ -410,6 +412,8 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     join(main, side)
     for buf in (m, fallback, seg.cu, seg.slot, *keep):
         buf.record_stream(side)
+    if before_combine is not None:
+        before_combine()
     launch("gdn_cp_combine", {"K": K, "V": V}, dev,
             {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse)},
             {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),

@@ -142,6 +142,27 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
 
 
+def run_backward_linked(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
+                        before_dht):
+    """run_backward's gradients, run as written (no recorded plan: the work ``before_dht`` queues on another stream in
+    the middle of the call is not the plan's) with backward.backward's ``before_dht`` hook. dht must be float32 and
+    contiguous: the tensor the kernels read, which the hook may write (flash_qla.distributed)."""
+    validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
+    dev = q.device
+    inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (
+        _contiguous(do, q.dtype), _contiguous(dht, torch.float32))
+    if dht is not None and inputs[8] is not dht:
+        raise ValueError("internal: a linked backward's dht must be float32 and contiguous")
+    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+              initial_state.dtype if initial_state is not None else None)
+    qi, ki, vi, gi, bi, h0, cu, doi, dhti = inputs
+    grads = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, before_dht=before_dht)
+    dh0 = grads[5]
+    if isinstance(dh0, SegmentStates):
+        dh0 = per_sequence(problem, dh0, dev, "dh0")
+    return _converted(grads[:5] + (dh0,), dtypes)
+
+
 class Call:
     """One validated signature's call (sizes, flags, device; its forward plan's key computed once). flash_qla.api
     keeps one per plain signature (its fast lane): a repeat goes from the API straight to here, with no checks run
