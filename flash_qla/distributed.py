@@ -405,24 +405,19 @@ def _leaving_gradient(ctx: "CPContext", Ds, Ms) -> torch.Tensor:
     return d
 
 
-def _split(lay: _Layout, v: torch.Tensor) -> bool:
-    """Whether the head window is split by the gate (a host read): a window longer than SHORT_TOKENS that does not
-    hold its whole sequence, except, on CUDA, one whose chains fit a quarter of the SMs (every head runs it whole
-    beside the main pass, which costs less than the host read and the selections)."""
-    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
-        return False
-    if v.is_cuda:
-        from .launch import num_sms
-        return v.shape[2] * -(-v.shape[3] // 64) > num_sms(v.device) // 4
-    return True
-
-
 def _long_heads(call: _Call, lay: _Layout, x):
     """The v-heads whose head window needs its full length and a measured transition, as (count, index tensor or
-    None), or None where the window is not split (_split): a split window is first tried at SHORT_TOKENS, where the
-    gate bounds it (one host read of the side stream; the index tensor is made while the stream is idle)."""
-    if not _split(lay, x[2]):
+    None), or None where the window is not split: a window longer than SHORT_TOKENS that does not hold its whole
+    sequence is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream; the index
+    tensor is made while the stream is idle). On CUDA a window whose chains fit a quarter of the SMs is not split:
+    every head runs it whole beside the main pass, which costs less than the host read and the selections."""
+    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
         return None
+    v = x[2]
+    if v.is_cuda:
+        from .launch import num_sms
+        if v.shape[2] * -(-v.shape[3] // 64) <= num_sms(v.device) // 4:
+            return None
     bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
     longs = [h for h, ok in enumerate(bounded) if not ok]
     STATS["split_windows"] += 1
@@ -509,29 +504,18 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         h_own = initial_state.detach().clone()
         h_own[0] = 0
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
-    # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
-    if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
-        raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-    lay = _layout(ctx, exact)
     side = _Side(q.device)
-    found: dict = {}
-
-    def head_window() -> None:   # on the high-priority side stream (the gate test's host read waits for it alone)
-        with side, torch.no_grad():
-            side.keep(q, k, v, g, beta)
-            found["pieces"], found["miss"] = _head_windows(call, lay, x)
-            side.hand(found["miss"], *(t for p in found["pieces"] for t in p.out))
-
-    # a window-sized head window with no host read is queued first: its few chains then start ahead of the main pass
-    # and end during its first kernels, where queued after them they waited for SMs its chains held
-    first = 0 < lay.head <= ctx.warmup_tokens and not _split(lay, v)
-    if first:
-        head_window()
     with torch.profiler.record_function("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
-    if not first:
-        head_window()
-    pieces, miss = found["pieces"], found["miss"]
+    # beside it: the head window (its gate test's host read waits for this stream alone)
+    with side, torch.no_grad():
+        side.keep(q, k, v, g, beta, initial_state)
+        # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
+        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        lay = _layout(ctx, exact)
+        pieces, miss = _head_windows(call, lay, x)
+        side.hand(miss, *(t for p in pieces for t in p.out))
     side.join()
     # after the main pass: the exchange of leaving states (and the flags) and the correction
     z = ht_m[-1] if ctx.post_num_ranks > 0 else None
