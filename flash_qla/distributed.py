@@ -47,7 +47,9 @@ over the whole first sequence, transitions chained, which is also what ``warmup_
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
-sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient. Then one local backward of the main pass
+sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient. All of it runs on CUDA on the side stream
+from the point where the local backward first reads that gradient (its dh chain's reverse combine, after the
+recompute's first kernels and the pre-passes are queued), so it overlaps them. The local backward is the main pass's,
 run from h_in (the library's backward recomputes from the initial state it is given): the forward's o equals that
 pass's output up to the window's bound, so this one backward gives every local gradient, the correction's share
 included, with no pass over the head window.
