@@ -105,12 +105,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
              and cp_context is None and inplace_update is False and state_v_first is False
              and use_gate_in_kernel is False and use_beta_sigmoid_in_kernel is False
              and chunk_indices is None and head_first is False and allow_neg_eigval is False
-             and auto_cp is True and enable_fwd_cp_cache is True and force_intra_cp is False
+             and (auto_cp is True or auto_cp is False) and enable_fwd_cp_cache is True and force_intra_cp is False
              and type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
              and (backend == "auto" or backend == "kernels"))
     if plain:
         signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                               use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu)
+                               use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu, auto_cp)
         fast = _FAST.get(signature)
         if fast is not None and not torch.compiler.is_compiling():
             if cu_seqlens_cpu is not None:  # its values change from call to call: checked, and they pick the plan
@@ -170,7 +170,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         if (plain and signature is not None and h0 is initial_state and not torch.compiler.is_compiling()
                 and _fast_eligible(q, k, v, g, beta, h0, cu_seqlens, backend)):
             _remember(signature, _kernel_ops().Call(problem, q.device, q.dtype, h0 is not None,
-                                                         output_final_state, use_qk_l2norm_in_kernel))
+                                                         output_final_state, use_qk_l2norm_in_kernel,
+                                                         allow_cp=auto_cp))
     final = states.finish(plan, final, output_final_state)
     return _with_output((o, final), output)
 
@@ -221,7 +222,7 @@ _FAST_MAX = 1024
 
 
 def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, l2norm,
-               chunk_size, cu_seqlens_cpu=None) -> Optional[tuple]:
+               chunk_size, cu_seqlens_cpu=None, auto_cp: bool = True) -> Optional[tuple]:
     """What a plain call's checks and kernel-path decisions depend on: shapes, dtypes, devices, contiguity of every
     tensor, scale (with its type: 1 and 1.0 hash alike), the flags and the tuning generation. None when an argument
     is not what a signature can describe (the full path then names the problem)."""
@@ -235,7 +236,8 @@ def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_
                 None if c is None else (c.shape, c.dtype, c.device),
                 None if cu_seqlens_cpu is None else (cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype,
                                                      cu_seqlens_cpu.device),
-                scale, type(scale), output_final_state, l2norm, chunk_size, type(chunk_size), settings.generation)
+                scale, type(scale), output_final_state, l2norm, chunk_size, type(chunk_size), auto_cp,
+                settings.generation)
     except (AttributeError, TypeError):
         return None
 

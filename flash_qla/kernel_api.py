@@ -169,7 +169,7 @@ class Call:
     again, then to the plan, or through autograd, whose forward replays the same plan."""
 
     __slots__ = ("problem", "output_final_state", "l2norm", "key", "device", "plan", "dtype", "has_h0", "_by_plan",
-                 "state_io", "gate_mode")
+                 "state_io", "gate_mode", "allow_cp")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
                  output_final_state: bool, l2norm: bool, longest: Optional[int] = None,
@@ -177,7 +177,7 @@ class Call:
         self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
         # FLA's activations in the kernels (gates.KernelGate's mode); A_log / dt_bias come with each call
         self.gate_mode = gate_mode
-        self.output_final_state, self.l2norm = output_final_state, l2norm
+        self.output_final_state, self.l2norm, self.allow_cp = output_final_state, l2norm, allow_cp
         self.key = forward_key(problem, device, dtype, has_h0, output_final_state, l2norm)
         self._by_plan: dict = {}
         # host-known lengths plan the forward from the longest sequence: the plan (not the lengths) joins the key,
@@ -198,11 +198,13 @@ class Call:
         """This signature's call for a batch whose longest sequence is ``longest`` tokens (None: equal lengths)."""
         if longest is None:
             return self
-        plan = forward_plan(self.problem, DTYPE_TAG[self.dtype], self.device, self.l2norm, False, longest)[:4]
+        plan = forward_plan(self.problem, DTYPE_TAG[self.dtype], self.device, self.l2norm, False, longest,
+                            self.allow_cp)[:4]
         call = self._by_plan.get(plan)
         if call is None:
             call = self._by_plan[plan] = Call(self.problem, self.device, self.dtype, self.has_h0,
-                                              self.output_final_state, self.l2norm, longest, gate_mode=self.gate_mode)
+                                              self.output_final_state, self.l2norm, longest, allow_cp=self.allow_cp,
+                                              gate_mode=self.gate_mode)
         return call
 
     def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):

@@ -44,7 +44,8 @@ def test_signatures_differ_in_scale_type_flags_state_and_tuning():
     base = sig(*a)
     h0 = torch.zeros(2, 2, 4, 4)
     others = [sig(*a, scale=1), sig(*a, scale=1.0), sig(*a, h0=h0), sig(*a, h0=h0.transpose(2, 3)),
-              sig(*a, final=False), sig(*a, l2=True), sig(*a, chunk=32)]
+              sig(*a, final=False), sig(*a, l2=True), sig(*a, chunk=32),
+              api._signature(*a[:5], None, None, a[5], True, False, 64, None, False)]   # auto_cp=False
     assert len({base, *others}) == 1 + len(others)
     with override(poison_outputs=True):
         assert sig(*a) != base
@@ -79,6 +80,16 @@ def test_a_plain_repeat_takes_the_fast_lane(planted):
     (q, k, v, g, beta, cu), entry = planted
     assert flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu) == "fast lane"
     assert entry.calls == 1
+
+
+def test_auto_cp_false_has_a_fast_lane_of_its_own(planted):
+    # FlashQLA's auto_cp=False plans without intra-card CP: a plain call, under its own signature
+    (q, k, v, g, beta, cu), entry = planted
+    no_cp = _Recorded()
+    api._FAST[api._signature(q, k, v, g, beta, None, None, cu, True, False, 64, None, False)] = no_cp
+    assert flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
+                                            auto_cp=False) == "fast lane"
+    assert no_cp.calls == 1 and entry.calls == 0
 
 
 @pytest.mark.parametrize("extra, error", [
