@@ -31,19 +31,19 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
     window holds its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
     h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds
     the whole first sequence.
-The serial work after the main pass is that all-gather, one in-place baddbmm a piece and the final read. The
-windows cut the chain where the transition of a window is negligible: dropping M h errs by at most
-||M||_2 <= e^-10 ~ 4.5e-5 of the state entering the window, below bf16 resolution; the same bound on rank r's head
-window bounds the part of h_in(r) that rank r hands on (dropped from Z). A window longer than SHORT_TOKENS (on CUDA:
-whose chains need more than a quarter of the SMs; a smaller one runs whole for every head) is first tried at
-SHORT_TOKENS per v-head: where the gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the
-gate (the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass
-runs); the other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius
-norm of their window's M (per head). Past the head window the cut also relies on the later factors being
-non-expansive, as GDN's gates and normalised keys make them (not read: checking would mean reading the whole shard's
-k). The flags travel with the leaving states and are read once, at the end of the call (its one synchronisation
-with the host): where some window on some rank missed the bound, every rank runs the call again with its head window
-over the whole first sequence, transitions chained, which is also what ``warmup_tokens=0`` does from the start.
+The serial work after the main pass is that all-gather, one in-place baddbmm a piece and the final read. The windows
+cut the chain where the transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5
+of the state entering the window, below bf16 resolution; the same bound on rank r's head window bounds the part of
+h_in(r) that rank r hands on (dropped from Z). A window longer than SHORT_TOKENS (on CUDA: whose chains need more than
+a quarter of the SMs; a smaller one runs whole for every head) is first tried at SHORT_TOKENS per v-head: where the
+gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the gate
+(the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass runs); the
+other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their
+window's M (per head). Past the head window the cut also relies on the later factors being non-expansive, as GDN's
+gates and normalised keys make them (not read: checking would mean reading the whole shard's k). The flags travel with
+the leaving states and are read once, at the end of the call (its one synchronisation with the host): where some
+window on some rank missed the bound, every rank runs the call again with its head window over the whole first
+sequence, transitions chained, which is also what ``warmup_tokens=0`` does from the start.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
