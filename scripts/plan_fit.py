@@ -13,16 +13,25 @@ block, the two models of the fused kernel that planner.plan_forward uses:
     + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp, fill = the chunk's tokens / 64.
 Least squares on relative error; prints each fit, its worst relative error and the planner's current values beside
 it: copy the values into flash_qla/planner.py when they move.
+
+--check [--host-lengths]: instead, the planner as it now stands (flash_qla/planner.py, the built variants) against
+the sweeps' timed candidates: for every row, the plan it picks and that plan's time over the row's best, and the
+rows beyond --tolerance (exit 1 if any). A row's lengths come from scripts/plan_sweep.py's shape sets: by default the
+planner sees equal lengths, as the sweep's calls (no cu_seqlens_cpu); --host-lengths gives it the longest sequence,
+as a caller passing cu_seqlens_cpu does. A refit can be judged this way before the next sweep on a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-from flash_qla.planner import FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US
+from flash_qla.planner import FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US, ForwardPlan, plan_forward
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
 
@@ -70,15 +79,68 @@ def fit(samples: list) -> tuple:
     return coef, worst
 
 
+def candidate_name(plan: ForwardPlan) -> str:
+    """The sweep's name of a plan (scripts/plan_sweep.py's candidates)."""
+    if plan.path == "fused":
+        return f"fused_bv{plan.block_v}"
+    if plan.path == "split":
+        return f"split_bv{plan.block_v}_hpc{plan.heads_per_cta}"
+    return f"cp_L{plan.segment_chunks}"
+
+
+def sweep_lengths() -> dict:
+    """shape name -> sequence lengths, from scripts/plan_sweep.py's shape sets."""
+    spec = importlib.util.spec_from_file_location("plan_sweep", Path(__file__).resolve().parent / "plan_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return {name: tuple(lens) for which in ("grid", "holdout", "standard")
+            for name, _, _, _, lens in sweep.shapes(which)}
+
+
+def check(rows: list, sms: int, host_lengths: bool, blocks, lengths: dict) -> list:
+    """(ratio, row, chosen candidate) for every row whose chosen plan was timed: the planner's choice over the best.
+    blocks(l2norm) -> (fused blocks, chain blocks) built."""
+    from flash_qla import cp
+    out = []
+    for r in rows:
+        lens = lengths.get(r["shape"])
+        longest = max(lens) if host_lengths and lens and len(set(lens)) > 1 else None
+        fused, chain = blocks(r["l2norm"])
+        plan = plan_forward(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, fused, chain,
+                            cp.SEGMENT_CHUNKS, r["l2norm"], longest=longest)
+        name = candidate_name(plan)
+        if name in r["candidates"]:
+            out.append((r["candidates"][name] / r["best_ms"], r, name))
+    return out
+
+
+def built(l2norm: bool) -> tuple:
+    from flash_qla.launch import CHAIN_KERNEL, FUSED_KERNEL, built_blocks
+    return (tuple(built_blocks(FUSED_KERNEL, None, "bf16", 128, HEAD_DIM_V, int(l2norm))),
+            tuple(built_blocks(CHAIN_KERNEL, "out", "bf16", 128, HEAD_DIM_V)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweeps", nargs="+")
     ap.add_argument("--sms", type=int, default=132, help="the card's SM count (H100 SXM: 132)")
+    ap.add_argument("--check", action="store_true", help="the planner's choices against the sweeps (no fit)")
+    ap.add_argument("--host-lengths", action="store_true", help="with --check: plan from the longest sequence")
+    ap.add_argument("--tolerance", type=float, default=0.03)
     args = ap.parse_args()
     rows = []
     for name in args.sweeps:
         with open(name) as f:
             rows += [json.loads(line) for line in f if line.strip()]
+    if args.check:
+        results = check(rows, args.sms, args.host_lengths, built, sweep_lengths())
+        over = sorted((x for x in results if x[0] > 1 + args.tolerance), key=lambda x: -x[0])
+        for ratio, r, name in over:
+            print(f"{ratio:.3f}  {r['set']} {r['shape']} l2norm={r['l2norm']}: planned {name} "
+                  f"{r['candidates'][name]:.4f} ms, best {r['best']} {r['best_ms']:.4f} ms")
+        print(f"{len(results) - len(over)} of {len(results)} rows within {args.tolerance:.0%} of their best plan "
+              f"({len(rows) - len(results)} rows without the chosen plan timed)")
+        sys.exit(1 if over else 0)
     for bv in sorted(FUSED_FIT_US):
         samples = fused_samples(rows, bv, args.sms)
         if len(samples) < 2:

@@ -50,3 +50,40 @@ def test_stream_fit_takes_one_chunk_batches_past_the_persistent_limit():
     assert len(samples) == len(rows) - 1
     (got_a, got_b, got_ramp), worst = plan_fit.fit(samples)
     assert (got_a, got_b, got_ramp) == pytest.approx((a, b, ramp), rel=1e-6) and worst < 1e-6
+
+
+def _both_blocks(l2norm):
+    return (64, 128), (64, 128)
+
+
+def _checked_row(shape, hv, seqs, tokens):
+    return {"set": "grid", "shape": shape, "hq": hv // 2, "hv": hv, "tokens": tokens, "seqs": seqs,
+            "equal_lengths": seqs == 1, "l2norm": False}
+
+
+def test_check_reports_the_planned_candidate_against_the_best():
+    from flash_qla import cp
+    from flash_qla.planner import plan_forward
+    row = _checked_row("hq4_hv8|1x32768", 8, 1, 32768)
+    planned = plan_fit.candidate_name(plan_forward(32768, 1, 8, 4, 128, SMS, (64, 128), (64, 128),
+                                                   cp.SEGMENT_CHUNKS, False))
+    row.update(candidates={planned: 1.1, "elsewhere": 1.0}, best="elsewhere", best_ms=1.0)
+    (ratio, got_row, name), = plan_fit.check([row], SMS, False, _both_blocks, {})
+    assert name == planned and got_row is row and ratio == pytest.approx(1.1)
+    row["candidates"] = {"elsewhere": 1.0}                                       # the chosen plan was not timed
+    assert plan_fit.check([row], SMS, False, _both_blocks, {}) == []
+
+
+def test_check_gives_the_planner_the_longest_sequence_only_with_host_lengths(monkeypatch):
+    seen = []
+
+    def planner(*args, longest=None, **kwargs):
+        seen.append(longest)
+        return plan_fit.ForwardPlan("fused", 64, None, None, 1.0)
+    monkeypatch.setattr(plan_fit, "plan_forward", planner)
+    row = _checked_row("hq4_hv8|mixed", 8, 2, 16384)
+    row.update(candidates={"fused_bv64": 1.0}, best="fused_bv64", best_ms=1.0)
+    lengths = {"hq4_hv8|mixed": (14336, 2048)}
+    plan_fit.check([row], SMS, False, _both_blocks, lengths)
+    plan_fit.check([row], SMS, True, _both_blocks, lengths)
+    assert seen == [None, 14336]
