@@ -415,10 +415,10 @@ def _long_heads(call: _Call, lay: _Layout, x):
     every head runs it whole beside the main pass, which costs less than the host read and the selections."""
     if not (lay.head > SHORT_TOKENS and not lay.head_covers):
         return None
-    v = x[2]
-    if v.is_cuda:
+    q, v = x[0], x[2]
+    if v.is_cuda:                   # the window's pass carries K columns (v = 0 from the identity) per v-head
         from .launch import num_sms
-        if v.shape[2] * -(-v.shape[3] // 64) <= num_sms(v.device) // 4:
+        if v.shape[2] * -(-q.shape[3] // 64) <= num_sms(v.device) // 4:
             return None
     bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
     longs = [h for h, ok in enumerate(bounded) if not ok]
