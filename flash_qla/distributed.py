@@ -357,9 +357,10 @@ class _Side:
                 if t is not None:
                     t.record_stream(self.main)
 
-    def join(self) -> None:
+    def join(self, waiting: Optional[torch.cuda.Stream] = None) -> None:
+        """``waiting`` (the main stream by default) waits for the work queued so far on the side stream."""
         if self.stream is not None:
-            self.main.wait_stream(self.stream)
+            (waiting if waiting is not None else self.main).wait_stream(self.stream)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,7 +544,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
 def _local_backward(call: _Call, ctx: "CPContext", x, h0, do, dht):
     """(dq, dk, dv, dg, dbeta, dh0) of the main pass run from the initial states h0 (row 0: the entering state of a
     sequence continued from an earlier rank), with the whole final-state gradient dht (or None), by autograd through
-    the public function (the reference backend; the kernels' backward is kernel_api.run_backward_linked)."""
+    the public function (the reference backend; the kernels' backward is kernel_api.run_backward)."""
     leaves = [t.detach().requires_grad_(True) for t in x] + ([h0.detach().requires_grad_(True)] if h0 is not None
                                                             else [])
     with torch.enable_grad():
@@ -582,8 +583,7 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
                    torch.zeros(ctx.num_seqs, Hv, K, V, dtype=dd, device=dev))
     h0 = s.initial_state
     if b.h_in is not None:                               # local sequence 0 enters with the earlier ranks' state
-        h0 = h0.detach().clone() if h0 is not None else \
-            torch.zeros(ctx.num_seqs, Hv, K, V, dtype=torch.float32, device=dev)
+        h0 = h0.detach().clone() if h0 is not None else torch.zeros(ctx.num_seqs, Hv, K, V, dtype=sd, device=dev)
         h0[0] = b.h_in.to(h0.dtype)
     side = _Side(dev)
     calls = []
@@ -606,16 +606,14 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
             rows = _all_gather(ctx, D.reshape(-1))
             if ctx.post_num_ranks > 0:
                 dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
-        if side.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(side.stream)
-            torch.cuda.current_stream(dev).wait_event(ready)
+        if side.stream is not None:   # the stream about to read dht (the reverse pre-pass's, or the main one)
+            side.join(torch.cuda.current_stream(dev))
 
     with torch.profiler.record_function("cp.backward.local"):
         if kernels:
-            from .kernel_api import run_backward_linked
-            grads = list(run_backward_linked(call.problem, *s.x, h0, ctx.cu_seqlens, call.l2norm, do, dht_all,
-                                             exchange))
+            from .kernel_api import run_backward
+            grads = list(run_backward(call.problem, *s.x, h0, ctx.cu_seqlens, call.l2norm, do, dht_all,
+                                      before_dht=exchange))
         else:
             exchange()
             grads = list(_local_backward(call, ctx, s.x, h0, do, dht_all))

@@ -111,11 +111,14 @@ def _converted(grads, dtypes):
 
 def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
                  A=None, g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE,
-                 gate_dtypes: tuple = (None, None)):
+                 gate_dtypes: tuple = (None, None), before_dht=None):
     """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state. v_first: initial_state,
     dht and dh0 are [N, Hv, V, K] (the kernels read and write them so, or, where the recompute plans intra-card CP,
     they are transposed around the call). gate: FLA's activations in the kernels (g / beta raw, dg / dbeta with
-    respect to them); with gate.gate (dA_log [Hv], d dt_bias [Hv] or None) follow, in gate_dtypes."""
+    respect to them); with gate.gate (dA_log [Hv], d dt_bias [Hv] or None) follow, in gate_dtypes.
+    before_dht (flash_qla.distributed): backward.backward's hook; the call then runs as written, not from a recorded
+    plan (the work the hook queues on another stream is not the plan's), and dht must be float32 and contiguous: the
+    tensor the kernels read, which the hook may write."""
     if v_first and not native_v_first(problem, q.dtype, q.device):
         swap = (lambda x: None if x is None else x.transpose(-1, -2).contiguous())
         grads = run_backward(problem, q, k, v, g, beta, swap(initial_state), cu_seqlens, use_qk_l2norm, do, swap(dht),
@@ -133,34 +136,18 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
     def record():
         qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs[:10]
         grads = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai, g_is_cumsum=g_is_cumsum,
-                         v_first=v_first, gate=gate)
+                         v_first=v_first, gate=gate, before_dht=before_dht)
         dh0 = grads[5]
         if isinstance(dh0, SegmentStates):
             dh0 = per_sequence(problem, dh0, dev, "dh0")
         return grads[:5] + (dh0,) + grads[6:], functools.partial(_finish_backward, dtypes=dtypes)
 
+    if before_dht is not None:
+        if dht is not None and inputs[8] is not dht:
+            raise ValueError("internal: a backward with before_dht needs dht float32 and contiguous")
+        results, finish = record()
+        return finish(*results)
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
-
-
-def run_backward_linked(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
-                        before_dht):
-    """run_backward's gradients, run as written (no recorded plan: the work ``before_dht`` queues on another stream in
-    the middle of the call is not the plan's) with backward.backward's ``before_dht`` hook. dht must be float32 and
-    contiguous: the tensor the kernels read, which the hook may write (flash_qla.distributed)."""
-    validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
-    dev = q.device
-    inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (
-        _contiguous(do, q.dtype), _contiguous(dht, torch.float32))
-    if dht is not None and inputs[8] is not dht:
-        raise ValueError("internal: a linked backward's dht must be float32 and contiguous")
-    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-              initial_state.dtype if initial_state is not None else None)
-    qi, ki, vi, gi, bi, h0, cu, doi, dhti = inputs
-    grads = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, before_dht=before_dht)
-    dh0 = grads[5]
-    if isinstance(dh0, SegmentStates):
-        dh0 = per_sequence(problem, dh0, dev, "dh0")
-    return _converted(grads[:5] + (dh0,), dtypes)
 
 
 class Call:
