@@ -59,6 +59,7 @@ On CPU tensors the same code runs the reference with the gloo backend, which is 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -434,7 +435,7 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
     the side stream."""
     Hv, dev = x[2].shape[2], x[2].device
     pieces, misses = [], []
-    with torch.profiler.record_function("cp.forward.head_window"):
+    with _range("cp.forward.head_window"):
         if lay.head:
             long_head = _long_heads(call, lay, x)
             if long_head is not None and long_head[0] < Hv:     # the gate bounds the short window for some heads
@@ -450,24 +451,39 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
     return pieces, miss
 
 
+def _payload(lay: _Layout, pieces: List[_Piece], miss: torch.Tensor, Hv: int, K: int, V: int, sd) -> torch.Tensor:
+    """This rank's all-gather row, [Hv K V (leaving state, filled after the main pass) | Hv K K (transition, with
+    carry_m) | 1 (miss flag)], with everything but the leaving state written now: made on the side stream while the
+    main pass runs, so the serial work after it is one copy and the all-gather."""
+    n_c, n_m = Hv * K * V, (Hv * K * K if lay.carry_m else 0)
+    row = torch.empty(n_c + n_m + 1, dtype=sd, device=miss.device)
+    if lay.carry_m:
+        m = pieces[0].m if (lay.transit and lay.head_covers) else None
+        if m is not None:
+            row[n_c:n_c + n_m].view(Hv, K, K).copy_(m)
+        else:
+            row[n_c:n_c + n_m].zero_()
+    row[-1:].copy_(miss.reshape(1))
+    return row
+
+
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
-              miss: torch.Tensor, v: torch.Tensor, K: int, o: torch.Tensor) -> Tuple[_Boundary, torch.Tensor]:
-    """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
-    sequence; None: that sequence ends here), its window's miss flag and, with carry_m, its transition; then the
-    correction by the entering state: into o (the main pass's output) in place for a piece of every head, into the
-    piece's corr for one of some heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives
-    Hv, V and the device. Returns the boundary and whether any rank's window missed (0-d bool, on the device)."""
+              row: torch.Tensor, v: torch.Tensor, K: int, o: torch.Tensor) -> Tuple[_Boundary, torch.Tensor]:
+    """One all-gather of every rank's row (_payload, its leaving state z [Hv, K, V] written here: the main pass's
+    final state of the last local sequence; None: that sequence ends here); then the correction by the entering
+    state: into o (the main pass's output) in place for a piece of every head, into the piece's corr for one of some
+    heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device. Returns
+    the boundary and whether any rank's window missed (0-d bool, on the device)."""
     Hv, V = v.shape[2], v.shape[3]
-    sd, dev = call.state_dtype, v.device
-    with torch.profiler.record_function("cp.forward.exchange"):
-        parts = [(z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)]
-        if lay.carry_m:
-            m = pieces[0].m if (lay.transit and lay.head_covers) else None
-            parts.append((m if m is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1).to(sd))
-        parts.append(miss.reshape(1).to(sd))
-        rows = _all_gather(ctx, torch.cat(parts))
-    with torch.profiler.record_function("cp.forward.correction"):
-        n_c, n_m = Hv * K * V, Hv * K * K
+    sd = call.state_dtype
+    n_c, n_m = Hv * K * V, Hv * K * K
+    with _range("cp.forward.exchange"):
+        if z is not None:
+            row[:n_c].view(Hv, K, V).copy_(z)
+        else:
+            row[:n_c].zero_()
+        rows = _all_gather(ctx, row)
+    with _range("cp.forward.correction"):
         Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
         h_in = s_corr = None
         if ctx.pre_num_ranks > 0:
@@ -480,7 +496,13 @@ def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece],
                     p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
                 s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
-    return _Boundary(lay, pieces, h_in, Ms, s_corr), rows[:, -1].amax() > 0
+    return _Boundary(lay, pieces, h_in, Ms, s_corr), rows[:, -1].any()
+
+
+def _range(name: str):
+    """A profiler range where a profiler records (torch.profiler.record_function costs microseconds of host time
+    even when none does, and the host time before the main pass is the call's floor)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -508,7 +530,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         h_own[0] = 0
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
-    with torch.profiler.record_function("cp.forward.local"), torch.no_grad():
+    with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
     # beside it: the head window (its gate test's host read waits for this stream alone)
     with side, torch.no_grad():
@@ -518,12 +540,13 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         lay = _layout(ctx, exact)
         pieces, miss = _head_windows(call, lay, x)
-        side.hand(miss, *(t for p in pieces for t in p.out))
+        row = _payload(lay, pieces, miss, v.shape[2], q.shape[3], v.shape[3], call.state_dtype)
+        side.hand(row, *(t for p in pieces for t in p.out))
     side.join()
     # after the main pass: the exchange of leaving states (and the flags) and the correction
     z = ht_m[-1] if ctx.post_num_ranks > 0 else None
     with torch.no_grad():
-        b, missed = _exchange(call, ctx, lay, pieces, z, miss, v, q.shape[3], o_m)
+        b, missed = _exchange(call, ctx, lay, pieces, z, row, v, q.shape[3], o_m)
         o = o_m
         for p in b.pieces:
             if p.corr is not None:
@@ -590,7 +613,7 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
 
     def exchange() -> None:      # D, its all-gather and the gradient arriving from later ranks, into dht_all[-1]
         calls.append(1)
-        with side, torch.no_grad(), torch.profiler.record_function("cp.backward.exchange"):
+        with side, torch.no_grad(), _range("cp.backward.exchange"):
             side.keep(do, dht, dht_all)
             D = None
             for p in b.pieces:
@@ -609,7 +632,7 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
         if side.stream is not None:   # the stream about to read dht (the reverse pre-pass's, or the main one)
             side.join(torch.cuda.current_stream(dev))
 
-    with torch.profiler.record_function("cp.backward.local"):
+    with _range("cp.backward.local"):
         if kernels:
             from .kernel_api import run_backward
             grads = list(run_backward(call.problem, *s.x, h0, ctx.cu_seqlens, call.l2norm, do, dht_all,
@@ -679,23 +702,44 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k [1, P, Hq, K]; v [1, P, Hv, V]; g, beta [1, P, Hv] (P = ctx.part_len); initial_state [N_local, Hv, K, V]
     or None. Returns (o [1, P, Hv, V], final_state [N_local, Hv, K, V] float32 or None), differentiable in every
     input; every rank of the context's group must make the call (and its backward) together."""
-    from .validation import validate_inputs
     ctx = cp_context
-    _check_context(ctx, q, v, initial_state)
-    problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    call = _Call(problem.scale, use_qk_l2norm_in_kernel, backend, state_dtype,
-                 problem.num_v_heads // problem.num_qk_heads, problem)
+    call = _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                         backend)
     if not (ctx.world_size > 1 and ctx.has_links):
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        STATS["calls"] += 1
-        return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
     STATS["calls"] += 1
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
     o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state)
     return o, ht
+
+
+_CHECKED: dict = {}   # (context id, call signature) -> (context, _Call): a repeated call skips the checks
+_CHECKED_MAX = 256
+
+
+def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, backend) -> _Call:
+    """The call's shared arguments, after the checks; a call whose context and signature (shapes, dtypes, devices,
+    contiguity, scale, flags) passed them before reuses its _Call, so a training or serving loop's repeats reach the
+    main pass in microseconds (the entry's host time is the multi-GPU call's floor: the main pass waits for it)."""
+    from .api import _signature
+    sig = _signature(q, k, v, g, beta, scale, initial_state, None, output_final_state, l2norm, 64)
+    key = (id(ctx), sig, backend) if sig is not None else None
+    hit = _CHECKED.get(key) if key is not None else None
+    if hit is not None and hit[0] is ctx:       # the entry holds its context, so the id names no other one
+        return hit[1]
+    from .validation import validate_inputs
+    _check_context(ctx, q, v, initial_state)
+    problem = validate_inputs(q, k, v, g, beta, scale, initial_state, ctx.cu_seqlens_cpu)
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    call = _Call(problem.scale, l2norm, backend, state_dtype, problem.num_v_heads // problem.num_qk_heads, problem)
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = (ctx, call)
+    return call
 
 
 def _run_local(call: _Call, ctx: CPContext, q, k, v, g, beta, h0, final):

@@ -164,7 +164,12 @@ def _check_errors(rank, world):
     ctx = build_cp_context(cu)
     x, _, _ = make_inputs(4 * world, 1, 1, 4, 4, 2, seed=1, decay=[1.0])
     local = {n: t[:, :4] for n, t in x.items()}
-    with pytest.raises(ValueError, match="shard has 4"):
+    mine = {n: t[:, 4 * rank:4 * rank + 4] for n, t in x.items()}
+    zeros = torch.zeros(ctx.num_seqs, 1, 4, 4, dtype=torch.float64)
+    chunk_gated_delta_rule_cp(**mine, initial_state=zeros, cp_context=ctx)   # checked once, then remembered:
+    chunk_gated_delta_rule_cp(**mine, initial_state=zeros, cp_context=ctx)   # a repeat skips the checks, yet
+    assert sum(entry[0] is ctx for entry in cpd._CHECKED.values()) == 1
+    with pytest.raises(ValueError, match="shard has 4"):                    # other shapes are still refused
         chunk_gated_delta_rule_cp(**{n: t[:, :3] for n, t in x.items()}, cp_context=ctx)
     with pytest.raises(TypeError, match="CPContext"):
         chunk_gated_delta_rule_cp(**local, cp_context=object())
@@ -173,7 +178,7 @@ def _check_errors(rank, world):
     with pytest.raises(ValueError, match="strictly increasing"):
         build_cp_context(torch.tensor([0, 0, 4 * world]))
     if rank == 1:  # rank 1's row 0 continues sequence 0 (tokens 0-5): a non-zero row there is refused
-        bad = torch.ones(ctx.num_seqs, 1, 4, 4, dtype=torch.float64)
+        bad = torch.ones(ctx.num_seqs, 1, 4, 4, dtype=torch.float64)   # the remembered signature: checked each call
         with pytest.raises(ValueError, match="must be zero"):
             chunk_gated_delta_rule_cp(**{n: t[:, 4:8] for n, t in x.items()}, initial_state=bad, cp_context=ctx)
 
