@@ -26,12 +26,14 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
   * beside it (on CUDA a high-priority side stream, issued while the main pass's first kernel runs): the head
     window, the first W = ``warmup_tokens`` tokens of a first sequence continued from the previous rank, run from
     the identity for (Q, M) without intra-card CP (a plain chain of a few CTAs, which the stream's priority keeps
-    beside the main pass), and its miss flag (whether its window was long enough), on the device;
-  * after the main pass, one all-gather of every rank's Z, its flag (and M, for a rank inside one sequence whose
-    window holds its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
+    beside the main pass), and its miss flag (whether its window was long enough), gathered from every rank by a
+    small all-gather on that stream and read there (a host read of that stream alone, while the main pass runs);
+  * after the main pass, one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds
+    its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
     h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds
     the whole first sequence.
-The serial work after the main pass is that all-gather, one in-place baddbmm a piece and the final read. The windows
+The serial work after the main pass is that all-gather and one in-place baddbmm a piece; the call returns with them
+queued, as a plain call returns with its kernels queued. The windows
 cut the chain where the transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5
 of the state entering the window, below bf16 resolution; the same bound on rank r's head window bounds the part of
 h_in(r) that rank r hands on (dropped from Z). A window longer than SHORT_TOKENS (on CUDA: whose chains need more than
@@ -40,10 +42,10 @@ gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |
 (the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass runs); the
 other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their
 window's M (per head). Past the head window the cut also relies on the later factors being non-expansive, as GDN's
-gates and normalised keys make them (not read: checking would mean reading the whole shard's k). The flags travel with
-the leaving states and are read once, at the end of the call (its one synchronisation with the host): where some
-window on some rank missed the bound, every rank runs the call again with its head window over the whole first
-sequence, transitions chained, which is also what ``warmup_tokens=0`` does from the start.
+gates and normalised keys make them (not read: checking would mean reading the whole shard's k). Where some
+window on some rank missed the bound (the gathered flags, read before the exchange), every rank runs the call again
+with its head window over the whole first sequence, transitions chained, which is also what ``warmup_tokens=0`` does
+from the start.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
@@ -451,37 +453,22 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
     return pieces, miss
 
 
-def _payload(lay: _Layout, pieces: List[_Piece], miss: torch.Tensor, Hv: int, K: int, V: int, sd) -> torch.Tensor:
-    """This rank's all-gather row, [Hv K V (leaving state, filled after the main pass) | Hv K K (transition, with
-    carry_m) | 1 (miss flag)], with everything but the leaving state written now: made on the side stream while the
-    main pass runs, so the serial work after it is one copy and the all-gather."""
-    n_c, n_m = Hv * K * V, (Hv * K * K if lay.carry_m else 0)
-    row = torch.empty(n_c + n_m + 1, dtype=sd, device=miss.device)
-    if lay.carry_m:
-        m = pieces[0].m if (lay.transit and lay.head_covers) else None
-        if m is not None:
-            row[n_c:n_c + n_m].view(Hv, K, K).copy_(m)
-        else:
-            row[n_c:n_c + n_m].zero_()
-    row[-1:].copy_(miss.reshape(1))
-    return row
-
-
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
-              row: torch.Tensor, v: torch.Tensor, K: int, o: torch.Tensor) -> Tuple[_Boundary, torch.Tensor]:
-    """One all-gather of every rank's row (_payload, its leaving state z [Hv, K, V] written here: the main pass's
-    final state of the last local sequence; None: that sequence ends here); then the correction by the entering
+              v: torch.Tensor, K: int, o: torch.Tensor) -> _Boundary:
+    """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
+    sequence; None: that sequence ends here) and, with carry_m, its transition; then the correction by the entering
     state: into o (the main pass's output) in place for a piece of every head, into the piece's corr for one of some
-    heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device. Returns
-    the boundary and whether any rank's window missed (0-d bool, on the device)."""
+    heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device."""
     Hv, V = v.shape[2], v.shape[3]
-    sd = call.state_dtype
+    sd, dev = call.state_dtype, v.device
     n_c, n_m = Hv * K * V, Hv * K * K
     with _range("cp.forward.exchange"):
-        if z is not None:
-            row[:n_c].view(Hv, K, V).copy_(z)
-        else:
-            row[:n_c].zero_()
+        row = (z.reshape(-1) if z is not None and z.dtype == sd else   # the final state's row: gathered as it is
+               (z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd))
+        if lay.carry_m:
+            m = pieces[0].m if (lay.transit and lay.head_covers) else None
+            row = torch.cat([row, (m if m is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1)
+                             .to(sd)])
         rows = _all_gather(ctx, row)
     with _range("cp.forward.correction"):
         Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
@@ -496,7 +483,7 @@ def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece],
                     p.corr = torch.bmm(qb, p.heads(h_in, 0).to(qb.dtype))
             if lay.head_covers:
                 s_corr = torch.bmm(pieces[0].m.to(sd), h_in)
-    return _Boundary(lay, pieces, h_in, Ms, s_corr), rows[:, -1].any()
+    return _Boundary(lay, pieces, h_in, Ms, s_corr)
 
 
 def _range(name: str):
@@ -520,8 +507,9 @@ class _Saved:
 
 
 def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False):
-    """(o, final state or None, boundary). One host read of the device, at the end: whether some rank's window
-    missed its bound, in which case every rank runs the call again with its boundaries exact."""
+    """(o, final state or None, boundary). One host read of the device, of the side stream while the main pass
+    runs: every rank's flag of whether its window missed the bound, gathered there, in which case every rank runs the
+    call again with its boundaries exact. The call returns with its exchange queued, as a plain call does."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
     h_own = initial_state
@@ -532,7 +520,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     side = _Side(q.device)
     with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
-    # beside it: the head window (its gate test's host read waits for this stream alone)
+    # beside it: the head window and the flags' all-gather (the host reads in here wait for this stream alone)
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
@@ -540,13 +528,16 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         lay = _layout(ctx, exact)
         pieces, miss = _head_windows(call, lay, x)
-        row = _payload(lay, pieces, miss, v.shape[2], q.shape[3], v.shape[3], call.state_dtype)
-        side.hand(row, *(t for p in pieces for t in p.out))
+        missed = not exact and bool(_all_gather(ctx, miss.reshape(1).to(call.state_dtype)).any())
+        side.hand(*(t for p in pieces for t in p.out))
+    if missed:                                      # every rank saw the same flags: all run the boundaries exactly
+        STATS["exact_fallback"] += 1
+        return _forward(call, ctx, x, initial_state, want_final, exact=True)
     side.join()
-    # after the main pass: the exchange of leaving states (and the flags) and the correction
+    # after the main pass: the exchange of leaving states and the correction
     z = ht_m[-1] if ctx.post_num_ranks > 0 else None
     with torch.no_grad():
-        b, missed = _exchange(call, ctx, lay, pieces, z, row, v, q.shape[3], o_m)
+        b = _exchange(call, ctx, lay, pieces, z, v, q.shape[3], o_m)
         o = o_m
         for p in b.pieces:
             if p.corr is not None:
@@ -558,9 +549,6 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             ht = ht_m
             if b.s_corr is not None:
                 ht[0] += b.s_corr.to(ht.dtype)
-    if not exact and bool(missed):                  # every rank saw the same flags: all run the boundaries exactly
-        STATS["exact_fallback"] += 1
-        return _forward(call, ctx, x, initial_state, want_final, exact=True)
     return o, ht, b
 
 
