@@ -27,7 +27,7 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
     window, the first W = ``warmup_tokens`` tokens of a first sequence continued from the previous rank, run from
     the identity for (Q, M) without intra-card CP (a plain chain of a few CTAs, which the stream's priority keeps
     beside the main pass), and its miss flag (whether its window was long enough), gathered from every rank by a
-    small all-gather on that stream and read there (a host read of that stream alone, while the main pass runs);
+    small all-gather on that stream, read (a host read of that stream alone) once the rest of the call is queued;
   * after the main pass, one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds
     its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
     h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds
@@ -43,7 +43,7 @@ gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |
 other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their
 window's M (per head). Past the head window the cut also relies on the later factors being non-expansive, as GDN's
 gates and normalised keys make them (not read: checking would mean reading the whole shard's k). Where some
-window on some rank missed the bound (the gathered flags, read before the exchange), every rank runs the call again
+window on some rank missed the bound (the gathered flags), every rank runs the call again
 with its head window over the whole first sequence, transitions chained, which is also what ``warmup_tokens=0`` does
 from the start.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
@@ -507,9 +507,10 @@ class _Saved:
 
 
 def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False):
-    """(o, final state or None, boundary). One host read of the device, of the side stream while the main pass
-    runs: every rank's flag of whether its window missed the bound, gathered there, in which case every rank runs the
-    call again with its boundaries exact. The call returns with its exchange queued, as a plain call does."""
+    """(o, final state or None, boundary). One host read of the device, of the side stream alone (the main one runs
+    on): every rank's flag of whether its window missed the bound, gathered there, read once the exchange and the
+    correction are queued; where some window missed, every rank runs the call again with its boundaries exact. The
+    call returns with its exchange queued, as a plain call returns with its kernels queued."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
     h_own = initial_state
@@ -520,7 +521,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     side = _Side(q.device)
     with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
-    # beside it: the head window and the flags' all-gather (the host reads in here wait for this stream alone)
+    # beside it: the head window and the flags' all-gather, queued on the side stream
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
@@ -528,13 +529,11 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
         lay = _layout(ctx, exact)
         pieces, miss = _head_windows(call, lay, x)
-        missed = not exact and bool(_all_gather(ctx, miss.reshape(1).to(call.state_dtype)).any())
         side.hand(*(t for p in pieces for t in p.out))
-    if missed:                                      # every rank saw the same flags: all run the boundaries exactly
-        STATS["exact_fallback"] += 1
-        return _forward(call, ctx, x, initial_state, want_final, exact=True)
-    side.join()
-    # after the main pass: the exchange of leaving states and the correction
+    side.join()                                     # the main stream waits for the pieces, not for the flags
+    with side:
+        flags = None if exact else _all_gather(ctx, miss.reshape(1).to(call.state_dtype)).any()
+    # after the main pass: the exchange of leaving states and the correction, queued before the flags are read
     z = ht_m[-1] if ctx.post_num_ranks > 0 else None
     with torch.no_grad():
         b = _exchange(call, ctx, lay, pieces, z, v, q.shape[3], o_m)
@@ -549,6 +548,12 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
             ht = ht_m
             if b.s_corr is not None:
                 ht[0] += b.s_corr.to(ht.dtype)
+    if flags is not None:
+        with side:                                  # a read of the side stream alone: the main one runs on
+            missed = bool(flags)
+        if missed:                                  # every rank saw the same flags: all run the boundaries exactly
+            STATS["exact_fallback"] += 1
+            return _forward(call, ctx, x, initial_state, want_final, exact=True)
     return o, ht, b
 
 

@@ -168,7 +168,7 @@ def worker(rank, world, args, init_file, out_path):
 
 def profile(call_args):
     """One CP forward and one backward of the last configuration under torch.profiler; rank 1 prints its tables (by
-    host time and by device time) and, with --trace, writes its Chrome trace there."""
+    host time and by device time) and, with --trace, every rank writes its Chrome trace (FILE.rank<r>.json)."""
     args, world, rank, device = call_args
     hq, hv = map(int, args.heads.split(",")[-1].split("/"))
     tokens = int(args.tokens.split(",")[-1])
@@ -188,8 +188,9 @@ def profile(call_args):
         print(f"profile: world {world} tokens {tokens} hq {hq} hv {hv} (rank 1)", flush=True)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=60))
-        if args.trace:
-            prof.export_chrome_trace(args.trace)
+    if args.trace:
+        root, ext = os.path.splitext(args.trace)
+        prof.export_chrome_trace(f"{root}.rank{rank}{ext or '.json'}")
 
 
 def main(argv=None):
@@ -204,7 +205,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of the last configuration at the largest world size")
-    p.add_argument("--trace", default=None, help="with --profile: write rank 1's Chrome trace to this file")
+    p.add_argument("--trace", default=None, help="with --profile: write each rank's Chrome trace (FILE.rank<r>.json)")
     p.add_argument("--commit", default=None, help="the code's commit, recorded in every row")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run over gloo")
     args = p.parse_args(argv)
