@@ -213,6 +213,7 @@ class _Call:
     state_dtype: torch.dtype
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
+    graphs: Optional[dict] = None  # window length -> _WindowGraph, on a call remembered by _checked_call
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -417,19 +418,52 @@ def _long_heads(call: _Call, lay: _Layout, x):
     sequence is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream; the index
     tensor is made while the stream is idle). On CUDA a window whose chains fit a quarter of the SMs is not split:
     every head runs it whole beside the main pass, which costs less than the host read and the selections."""
-    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
+    if _whole_window(lay, x):
         return None
-    q, v = x[0], x[2]
-    if v.is_cuda:                   # the window's pass carries K columns (v = 0 from the identity) per v-head
-        from .launch import num_sms
-        if v.shape[2] * -(-q.shape[3] // 64) <= num_sms(v.device) // 4:
-            return None
     bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
     longs = [h for h, ok in enumerate(bounded) if not ok]
     STATS["split_windows"] += 1
     STATS["long_heads"] += len(longs)
     idx = torch.tensor(longs, dtype=torch.long, device=x[0].device) if 0 < len(longs) < len(bounded) else None
     return len(longs), idx
+
+
+def _whole_window(lay: _Layout, x) -> bool:
+    """The head window runs whole for every head (no gate test, so no host read): it is at most SHORT_TOKENS long,
+    holds its whole sequence, or (on CUDA) its chains fit a quarter of the SMs."""
+    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
+        return True
+    q, v = x[0], x[2]
+    if v.is_cuda:                   # the window's pass carries K columns (v = 0 from the identity) per v-head
+        from .launch import num_sms
+        return v.shape[2] * -(-q.shape[3] // 64) <= num_sms(v.device) // 4
+    return False
+
+
+class _WindowGraph:
+    """A whole head window's passes (_head_windows) for one shape, captured in a CUDA graph. A call without autograd
+    copies its window's inputs into the graph's and replays it: a few microseconds of host where the passes' launches
+    take ~0.15 ms, so it is queued ahead of the main pass and its chains run beside the main pass's first kernel
+    (whose short CTAs share the SMs) rather than beside its chains. The pieces it returns are the graph's outputs,
+    overwritten by the next replay; the autograd path, which keeps them for the backward, runs the passes eagerly."""
+
+    def __init__(self, call: _Call, lay: _Layout, x):
+        q, k, v, g, beta = x
+        w = lay.head
+        self.inputs = [t[:, :w].detach().clone() for t in (q, k, g, beta)]
+        v_like = torch.empty((1, 1) + tuple(v.shape[2:]), dtype=v.dtype, device=v.device).expand(1, w, *v.shape[2:])
+        xs = (self.inputs[0], self.inputs[1], v_like, self.inputs[2], self.inputs[3])
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the process group's watchdog thread keeps querying its events during the capture
+        with torch.no_grad(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.pieces, self.miss = _head_windows(call, lay, xs)
+
+    def replay(self, x) -> Tuple[List[_Piece], torch.Tensor]:
+        for dst, t in zip(self.inputs, (x[0], x[1], x[3], x[4])):
+            dst.copy_(t[:, :dst.shape[1]])
+        self.graph.replay()
+        STATS["window_replays"] += 1
+        return self.pieces, self.miss
 
 
 def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Tensor]:
@@ -506,11 +540,13 @@ class _Saved:
     b: _Boundary
 
 
-def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False):
+def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False,
+             replay: bool = False):
     """(o, final state or None, boundary). One host read of the device, of the side stream alone (the main one runs
     on): every rank's flag of whether its window missed the bound, gathered there, read once the exchange and the
     correction are queued; where some window missed, every rank runs the call again with its boundaries exact. The
-    call returns with its exchange queued, as a plain call returns with its kernels queued."""
+    call returns with its exchange queued, as a plain call returns with its kernels queued. replay: the boundary is
+    not kept (no autograd), so a whole head window may come from its shape's _WindowGraph."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
     h_own = initial_state
@@ -519,16 +555,24 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         h_own[0] = 0
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
+    lay = _layout(ctx, exact)
+    capture = (replay and side.stream is not None and call.graphs is not None and not exact and lay.head > 0
+               and _whole_window(lay, x))
+    window = call.graphs.get(lay.head) if capture else None
+    if window is not None:                          # one replay, queued ahead of the main pass
+        with side:
+            side.keep(q, k, g, beta)
+            pieces, miss = window.replay(x)
     with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
-    # beside it: the head window and the flags' all-gather, queued on the side stream
+    # beside it: the head window (unless replayed above) and the flags' all-gather, queued on the side stream
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        lay = _layout(ctx, exact)
-        pieces, miss = _head_windows(call, lay, x)
+        if window is None:
+            pieces, miss = _head_windows(call, lay, x)
         side.hand(*(t for p in pieces for t in p.out))
     side.join()                                     # the main stream waits for the pieces, not for the flags
     with side:
@@ -554,6 +598,8 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         if missed:                                  # every rank saw the same flags: all run the boundaries exactly
             STATS["exact_fallback"] += 1
             return _forward(call, ctx, x, initial_state, want_final, exact=True)
+    if capture and window is None:                  # this shape's first call: its window is captured for the next
+        call.graphs[lay.head] = _WindowGraph(call, lay, x)
     return o, ht, b
 
 
@@ -705,7 +751,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     STATS["calls"] += 1
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
         return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
-    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state)
+    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state, replay=True)
     return o, ht
 
 
@@ -731,6 +777,7 @@ def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_stat
     if key is not None:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.pop(next(iter(_CHECKED)))
+        call.graphs = {}
         _CHECKED[key] = (ctx, call)
     return call
 
