@@ -214,6 +214,7 @@ class _Call:
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
     graphs: Optional[dict] = None  # window length -> _WindowGraph, on a call remembered by _checked_call
+    layouts: Optional[dict] = None  # exact -> _Layout, likewise (a remembered call has one context)
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -459,8 +460,8 @@ class _WindowGraph:
             self.pieces, self.miss = _head_windows(call, lay, xs)
 
     def replay(self, x) -> Tuple[List[_Piece], torch.Tensor]:
-        for dst, t in zip(self.inputs, (x[0], x[1], x[3], x[4])):
-            dst.copy_(t[:, :dst.shape[1]])
+        w = self.inputs[0].shape[1]
+        torch._foreach_copy_(self.inputs, [t[:, :w] for t in (x[0], x[1], x[3], x[4])])   # one dispatch
         self.graph.replay()
         STATS["window_replays"] += 1
         return self.pieces, self.miss
@@ -555,7 +556,11 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         h_own[0] = 0
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
-    lay = _layout(ctx, exact)
+    lay = call.layouts.get(exact) if call.layouts is not None else None
+    if lay is None:
+        lay = _layout(ctx, exact)
+        if call.layouts is not None:
+            call.layouts[exact] = lay
     capture = (replay and side.stream is not None and call.graphs is not None and not exact and lay.head > 0
                and _whole_window(lay, x))
     window = call.graphs.get(lay.head) if capture else None
@@ -777,7 +782,7 @@ def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_stat
     if key is not None:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.pop(next(iter(_CHECKED)))
-        call.graphs = {}
+        call.graphs, call.layouts = {}, {}
         _CHECKED[key] = (ctx, call)
     return call
 
