@@ -213,8 +213,7 @@ class _Call:
     state_dtype: torch.dtype
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
-    graphs: Optional[dict] = None  # window length -> _WindowGraph, on a call remembered by _checked_call
-    layouts: Optional[dict] = None  # exact -> _Layout, likewise (a remembered call has one context)
+    layouts: Optional[dict] = None  # exact -> _Layout, on a call remembered by _checked_call (it has one context)
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -441,32 +440,6 @@ def _whole_window(lay: _Layout, x) -> bool:
     return False
 
 
-class _WindowGraph:
-    """A whole head window's passes (_head_windows) for one shape, captured in a CUDA graph. A call without autograd
-    copies its window's inputs into the graph's and replays it: a few microseconds of host where the passes' launches
-    take ~0.15 ms, so it is queued ahead of the main pass and its chains run beside the main pass's first kernel
-    (whose short CTAs share the SMs) rather than beside its chains. The pieces it returns are the graph's outputs,
-    overwritten by the next replay; the autograd path, which keeps them for the backward, runs the passes eagerly."""
-
-    def __init__(self, call: _Call, lay: _Layout, x):
-        q, k, v, g, beta = x
-        w = lay.head
-        self.inputs = [t[:, :w].detach().clone() for t in (q, k, g, beta)]
-        v_like = torch.empty((1, 1) + tuple(v.shape[2:]), dtype=v.dtype, device=v.device).expand(1, w, *v.shape[2:])
-        xs = (self.inputs[0], self.inputs[1], v_like, self.inputs[2], self.inputs[3])
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the process group's watchdog thread keeps querying its events during the capture
-        with torch.no_grad(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.pieces, self.miss = _head_windows(call, lay, xs)
-
-    def replay(self, x) -> Tuple[List[_Piece], torch.Tensor]:
-        w = self.inputs[0].shape[1]
-        torch._foreach_copy_(self.inputs, [t[:, :w] for t in (x[0], x[1], x[3], x[4])])   # one dispatch
-        self.graph.replay()
-        STATS["window_replays"] += 1
-        return self.pieces, self.miss
-
-
 def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Tensor]:
     """The head window's passes and whether some head's window missed the bound (0-d bool, on the device); run on
     the side stream."""
@@ -541,13 +514,11 @@ class _Saved:
     b: _Boundary
 
 
-def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False,
-             replay: bool = False):
+def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, exact: bool = False):
     """(o, final state or None, boundary). One host read of the device, of the side stream alone (the main one runs
     on): every rank's flag of whether its window missed the bound, gathered there, read once the exchange and the
     correction are queued; where some window missed, every rank runs the call again with its boundaries exact. The
-    call returns with its exchange queued, as a plain call returns with its kernels queued. replay: the boundary is
-    not kept (no autograd), so a whole head window may come from its shape's _WindowGraph."""
+    call returns with its exchange queued, as a plain call returns with its kernels queued."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
     h_own = initial_state
@@ -561,23 +532,15 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         lay = _layout(ctx, exact)
         if call.layouts is not None:
             call.layouts[exact] = lay
-    capture = (replay and side.stream is not None and call.graphs is not None and not exact and lay.head > 0
-               and _whole_window(lay, x))
-    window = call.graphs.get(lay.head) if capture else None
-    if window is not None:                          # one replay, queued ahead of the main pass
-        with side:
-            side.keep(q, k, g, beta)
-            pieces, miss = window.replay(x)
     with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
-    # beside it: the head window (unless replayed above) and the flags' all-gather, queued on the side stream
+    # beside it: the head window and the flags' all-gather, queued on the side stream
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
         # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        if window is None:
-            pieces, miss = _head_windows(call, lay, x)
+        pieces, miss = _head_windows(call, lay, x)
         side.hand(*(t for p in pieces for t in p.out))
     side.join()                                     # the main stream waits for the pieces, not for the flags
     with side:
@@ -603,8 +566,6 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         if missed:                                  # every rank saw the same flags: all run the boundaries exactly
             STATS["exact_fallback"] += 1
             return _forward(call, ctx, x, initial_state, want_final, exact=True)
-    if capture and window is None:                  # this shape's first call: its window is captured for the next
-        call.graphs[lay.head] = _WindowGraph(call, lay, x)
     return o, ht, b
 
 
@@ -756,7 +717,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     STATS["calls"] += 1
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
         return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
-    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state, replay=True)
+    o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state)
     return o, ht
 
 
@@ -782,7 +743,7 @@ def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_stat
     if key is not None:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.pop(next(iter(_CHECKED)))
-        call.graphs, call.layouts = {}, {}
+        call.layouts = {}
         _CHECKED[key] = (ctx, call)
     return call
 
