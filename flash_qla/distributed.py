@@ -28,11 +28,12 @@ the identity with v = 0 (its o is Q, its final state M). Per call, on each rank:
     the identity for (Q, M) without intra-card CP (a plain chain of a few CTAs, which the stream's priority keeps
     beside the main pass), and its miss flag (whether its window was long enough), gathered from every rank by a
     small all-gather on that stream, read (a host read of that stream alone) once the rest of the call is queued;
-  * after the main pass, one all-gather of every rank's Z (and M, for a rank inside one sequence whose window holds
-    its whole shard); the entering state h_in = Z[r - 1] (folded through the M of such ranks,
-    h = Z[s] + M[s] h); the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds
-    the whole first sequence.
-The serial work after the main pass is that all-gather and one in-place baddbmm a piece; the call returns with them
+  * after the main pass, each rank's Z goes to the next rank, point to point, so h_in = Z[r - 1] and a rank waits
+    for its neighbour alone; where some rank lies inside one sequence with its whole shard in its window (carry_m),
+    one all-gather of every rank's Z and M instead, h_in folded through the M of such ranks (h = Z[s] + M[s] h);
+    then the correction o[:w] += Q h_in, and the final state += M h_in where the head window holds the whole first
+    sequence.
+The serial work after the main pass is that exchange and one in-place baddbmm a piece; the call returns with them
 queued, as a plain call returns with its kernels queued. The windows
 cut the chain where the transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5
 of the state entering the window, below bf16 resolution; the same bound on rank r's head window bounds the part of
@@ -48,11 +49,11 @@ with its head window over the whole first sequence, transitions chained, which i
 from the start.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
-one all-gather of D, and each rank adds the gradient arriving from later ranks (folded from the end of its last
-sequence, d = D[s] + M[s]^T d) to its last sequence's final-state gradient. All of it runs on CUDA on the side stream
-from the point where the local backward first reads that gradient (its dh chain's reverse combine, after the
-recompute's first kernels and the pre-passes are queued), so it overlaps them. The local backward is the main pass's,
-run from h_in (the library's backward recomputes from the initial state it is given): the forward's o equals that
+D goes to the previous rank point to point (with carry_m, one all-gather of D, folded from the end of the last
+sequence, d = D[s] + M[s]^T d), and each rank adds the gradient arriving from later ranks to its last sequence's
+final-state gradient. All of it runs on CUDA on the side stream from the point where the local backward first reads
+that gradient (its dh chain's reverse combine, after the recompute's first kernels and the pre-passes are queued), so
+it overlaps them. The local backward is the main pass's, run from h_in (the library's backward recomputes from the initial state it is given): the forward's o equals that
 pass's output up to the window's bound, so this one backward gives every local gradient, the correction's share
 included, with no pass over the head window.
 
@@ -386,6 +387,28 @@ def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
     return out.view(ctx.world_size, -1)
 
 
+def _pass_on(ctx: "CPContext", send: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device,
+             reverse: bool = False) -> Optional[torch.Tensor]:
+    """One hop along the chain of ranks, point to point: ``send`` goes to the next rank (reverse: the previous one)
+    where this rank's last (reverse: first) local sequence goes on there, and the previous (next) rank's arrives
+    where this rank's first (last) one comes from there; returns it, or None. Each rank waits for its neighbour
+    only, not for the slowest rank of the group as an all-gather does."""
+    back, ahead = ctx.pre_num_ranks > 0, ctx.post_num_ranks > 0
+    src, dst, receives, sends = ((ctx.rank + 1, ctx.rank - 1, ahead, back) if reverse else
+                                 (ctx.rank - 1, ctx.rank + 1, back, ahead))
+    peer = (lambda r: dist.get_global_rank(ctx.group, r)) if ctx.group is not None else (lambda r: r)
+    ops, got = [], None
+    if receives:
+        got = torch.empty(shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, got, peer(src), ctx.group))
+    if sends:
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), peer(dst), ctx.group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return got
+
+
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
 _GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -463,26 +486,30 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
 
 def _exchange(call: _Call, ctx: "CPContext", lay: _Layout, pieces: List[_Piece], z: Optional[torch.Tensor],
               v: torch.Tensor, K: int, o: torch.Tensor) -> _Boundary:
-    """One all-gather of every rank's leaving state z [Hv, K, V] (its main pass's final state of the last local
-    sequence; None: that sequence ends here) and, with carry_m, its transition; then the correction by the entering
-    state: into o (the main pass's output) in place for a piece of every head, into the piece's corr for one of some
-    heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and the device."""
+    """The exchange of leaving states z [Hv, K, V] (a rank's main pass's final state of its last local sequence;
+    None: that sequence ends here): each to the next rank, point to point, or with carry_m one all-gather of every
+    rank's z and transition (the entering state is then folded through the transit ranks); then the correction by
+    the entering state: into o (the main pass's output) in place for a piece of every head, into the piece's corr
+    for one of some heads. Runs on the caller's stream after the main pass; v (this rank's shard) gives Hv, V and
+    the device."""
     Hv, V = v.shape[2], v.shape[3]
     sd, dev = call.state_dtype, v.device
     n_c, n_m = Hv * K * V, Hv * K * K
+    Ms = h_in = s_corr = None
     with _range("cp.forward.exchange"):
-        row = (z.reshape(-1) if z is not None and z.dtype == sd else   # the final state's row: gathered as it is
-               (z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd))
-        if lay.carry_m:
+        if not lay.carry_m:         # h_in is the previous rank's z: one hop, point to point
+            h_in = _pass_on(ctx, z.to(sd) if z is not None else None, (Hv, K, V), sd, dev)
+        else:
+            row = (z if z is not None else torch.zeros(Hv, K, V, dtype=sd, device=dev)).reshape(-1).to(sd)
             m = pieces[0].m if (lay.transit and lay.head_covers) else None
             row = torch.cat([row, (m if m is not None else torch.zeros(Hv, K, K, dtype=sd, device=dev)).reshape(-1)
                              .to(sd)])
-        rows = _all_gather(ctx, row)
+            rows = _all_gather(ctx, row)
+            Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K)
+            if ctx.pre_num_ranks > 0:
+                h_in = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V), Ms)
     with _range("cp.forward.correction"):
-        Ms = rows[:, n_c:n_c + n_m].view(-1, Hv, K, K) if lay.carry_m else None
-        h_in = s_corr = None
         if ctx.pre_num_ranks > 0:
-            h_in = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V), Ms)
             for p in pieces:
                 qb = p.q_back
                 if p.idx is None:   # o[:w] += Q h_in in place, rounded once: [H, w, V] is a strided view of o
@@ -590,12 +617,12 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
     """Gradients (q, k, v, g, beta, initial_state) of this rank's call; exchanges with the other ranks' backward.
 
     One local backward of the main pass from the entering state h_in, whose last sequence's final-state gradient takes
-    what arrives from later ranks: the gradient of the state entering each rank, D (its head window's Q^T do), is
-    exchanged by one all-gather. On CUDA that exchange runs on a high-priority side stream from the point where the
-    local backward first reads the final-state gradient (the dh chain's reverse combine), so it overlaps the recompute
-    and pre-passes before it. The backward differentiates o = main pass from h_in, which the forward's o (the main pass
-    from zero plus the window's correction Q h_in) equals up to the window's bound, so the correction's share of dq,
-    dk, dg, dbeta needs no pass of its own."""
+    what arrives from later ranks: the gradient of the state entering each rank, D (its head window's Q^T do), goes
+    to the previous rank (with carry_m, one all-gather of every rank's D). On CUDA that exchange runs on a
+    high-priority side stream from the point where the local backward first reads the final-state gradient (the dh
+    chain's reverse combine), so it overlaps the recompute and pre-passes before it. The backward differentiates
+    o = main pass from h_in, which the forward's o (the main pass from zero plus the window's correction Q h_in)
+    equals up to the window's bound, so the correction's share of dq, dk, dg, dbeta needs no pass of its own."""
     b, lay = s.b, s.b.lay
     v = s.x[2]
     Hv, K, V = v.shape[2], s.x[0].shape[3], v.shape[3]
@@ -616,7 +643,7 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
     side = _Side(dev)
     calls = []
 
-    def exchange() -> None:      # D, its all-gather and the gradient arriving from later ranks, into dht_all[-1]
+    def exchange() -> None:      # D, its exchange and the gradient arriving from later ranks, into dht_all[-1]
         calls.append(1)
         with side, torch.no_grad(), _range("cp.backward.exchange"):
             side.keep(do, dht, dht_all)
@@ -631,9 +658,14 @@ def _backward(call: _Call, ctx: "CPContext", s: _Saved, do, dht):
                 D = torch.zeros(Hv, K, V, dtype=sd, device=dev)
             if lay.head_covers and dht is not None:
                 D = D + b.pieces[0].m.transpose(-1, -2).to(sd) @ dht[0].to(sd)
-            rows = _all_gather(ctx, D.reshape(-1))
-            if ctx.post_num_ranks > 0:
-                dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
+            if b.ms is None:        # the next rank's D alone: one hop, point to point
+                d_next = _pass_on(ctx, D, (Hv, K, V), sd, dev, reverse=True)
+                if d_next is not None:
+                    dht_all[-1] += d_next.to(dht_all.dtype)
+            else:
+                rows = _all_gather(ctx, D.reshape(-1))
+                if ctx.post_num_ranks > 0:
+                    dht_all[-1] += _leaving_gradient(ctx, rows.view(-1, Hv, K, V), b.ms).to(dht_all.dtype)
         if side.stream is not None:   # the stream about to read dht (the reverse pre-pass's, or the main one)
             side.join(torch.cuda.current_stream(dev))
 

@@ -3,8 +3,9 @@
 usage (one GPU): python scripts/cp_timeline.py [--tokens 262144] [--heads 2/8] [--rank 1] [--world 4] [--calls 15]
 
 One process plays rank --rank of a --world-rank group over one sequence of --world x --tokens tokens, its shard
---tokens long: a single-rank NCCL group whose all-gather is replaced by a local copy (every rank's payload is this
-rank's), so the boundary work runs as on a real rank but the exchange costs a copy and no rank waits for another.
+--tokens long: a single-rank NCCL group whose all-gather and point-to-point exchange are replaced by local copies
+(every rank's payload is this rank's), so the boundary work runs as on a real rank but the exchange costs a copy
+and no rank waits for another.
 Each step of flash_qla.distributed's forward (the main pass, the head window, the exchange with its correction) is
 wrapped in CUDA events recorded on the stream it runs on, and host perf_counter stamps beside them; the medians over
 the calls after three warm-up calls are printed in microseconds from the call's start, GPU then host: a step whose
@@ -34,6 +35,14 @@ def copy_gather(out: torch.Tensor, payload: torch.Tensor, group=None) -> None:
     out.view(-1, payload.numel()).copy_(payload.reshape(1, -1).expand(out.numel() // payload.numel(), -1))
 
 
+def copy_pass_on(ctx, send, shape, dtype, device, reverse=False):
+    """The neighbour's state as a local copy of this rank's (where one arrives)."""
+    receives = (ctx.post_num_ranks if reverse else ctx.pre_num_ranks) > 0
+    if not receives:
+        return None
+    return send.to(dtype, copy=True) if send is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=262144, help="the shard's tokens")
@@ -58,6 +67,7 @@ def main() -> None:
 
 def run(args, shard) -> None:
     cpd._GATHER_SINGLE = copy_gather
+    cpd._pass_on = copy_pass_on
     hq, hv = map(int, args.heads.split("/"))
     P, r, world = args.tokens, args.rank, args.world
     device = torch.device("cuda", 0)
