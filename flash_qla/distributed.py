@@ -53,9 +53,9 @@ D goes to the previous rank point to point (with carry_m, one all-gather of D, f
 sequence, d = D[s] + M[s]^T d), and each rank adds the gradient arriving from later ranks to its last sequence's
 final-state gradient. All of it runs on CUDA on the side stream from the point where the local backward first reads
 that gradient (its dh chain's reverse combine, after the recompute's first kernels and the pre-passes are queued), so
-it overlaps them. The local backward is the main pass's, run from h_in (the library's backward recomputes from the initial state it is given): the forward's o equals that
-pass's output up to the window's bound, so this one backward gives every local gradient, the correction's share
-included, with no pass over the head window.
+it overlaps them. The local backward is the main pass's, run from h_in (the library's backward recomputes from the
+initial state it is given): the forward's o equals that pass's output up to the window's bound, so this one backward
+gives every local gradient, the correction's share included, with no pass over the head window.
 
 On CPU tensors the same code runs the reference with the gloo backend, which is how CI tests it.
 """
