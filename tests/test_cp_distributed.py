@@ -80,9 +80,30 @@ FALLS_BACK = {"window_too_short": True, "one_sequence_probe": False, "transit_wi
               "transit_windows_32": False, "transit_windows_64": False}
 
 
+# the cases whose leaving states go to the next rank point to point (no transition travels): their only
+# all-gathers are the forward's one-element miss flags
+HANDED_ON = {"crossing_default", "transit_windows_32", "transit_windows_64", "boundaries_between_sequences"}
+
+
 def _check_case(rank, world, case):
     before = dict(cpd.STATS)
-    _run_case(rank, world, case)
+    gathered, handed = [], []
+    gather, pass_on = cpd._GATHER_SINGLE, cpd._pass_on
+
+    def counting_gather(out, payload, group=None):
+        gathered.append(payload.numel())
+        return gather(out, payload, group=group)
+
+    def counting_pass_on(*args, **kwargs):
+        handed.append(kwargs.get("reverse", False))
+        return pass_on(*args, **kwargs)
+    cpd._GATHER_SINGLE, cpd._pass_on = counting_gather, counting_pass_on
+    try:
+        _run_case(rank, world, case)
+    finally:
+        cpd._GATHER_SINGLE, cpd._pass_on = gather, pass_on
+    if case[0] in HANDED_ON:        # two forwards (the call, the routed call) and one backward
+        assert gathered == [1, 1] and sorted(handed) == [False, False, True], (case[0], rank, gathered, handed)
     calls = cpd.STATS["calls"] - before.get("calls", 0)
     fallbacks = cpd.STATS["exact_fallback"] - before.get("exact_fallback", 0)
     assert calls == 2, (case[0], rank, calls)                  # the call and the routed call
