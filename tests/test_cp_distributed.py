@@ -102,11 +102,11 @@ def _check_case(rank, world, case):
         _run_case(rank, world, case)
     finally:
         cpd._GATHER_SINGLE, cpd._pass_on = gather, pass_on
-    if case[0] in HANDED_ON:        # two forwards (the call, the routed call) and one backward
-        assert gathered == [1, 1] and sorted(handed) == [False, False, True], (case[0], rank, gathered, handed)
+    if case[0] in HANDED_ON:        # three forwards (the call, the routed and the direct call) and one backward
+        assert gathered == [1, 1, 1] and sorted(handed) == [False] * 3 + [True], (case[0], rank, gathered, handed)
     calls = cpd.STATS["calls"] - before.get("calls", 0)
     fallbacks = cpd.STATS["exact_fallback"] - before.get("exact_fallback", 0)
-    assert calls == 2, (case[0], rank, calls)                  # the call and the routed call
+    assert calls == 3, (case[0], rank, calls)                  # the call, the routed call and the direct call
     if FALLS_BACK.get(case[0]) is not None:
         assert fallbacks == (calls if FALLS_BACK[case[0]] else 0), (case[0], rank, fallbacks)
     split = cpd.STATS["split_windows"] - before.get("split_windows", 0)
@@ -145,6 +145,11 @@ def _run_case(rank, world, case):
         output_final_state=True, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ctx.cu_seqlens,
         cp_context=ctx)
     assert torch.equal(o_routed, o.detach()) and torch.equal(ht_routed, ht.detach()), (name, rank, "routed call")
+    # without offsets of its own and with inputs in the computation's dtypes, it hands the call to the context as is
+    o_direct, ht_direct = flash_qla.chunk_gated_delta_rule(
+        **{n: t.detach() for n, t in leaves.items()}, scale=scale, initial_state=h0_local.detach(),
+        output_final_state=True, use_qk_l2norm_in_kernel=l2norm, cp_context=ctx)
+    assert torch.equal(o_direct, o.detach()) and torch.equal(ht_direct, ht.detach()), (name, rank, "direct call")
 
     # the fp64 loop over the whole batch, every rank's loss summed
     ref_leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
