@@ -64,7 +64,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -214,7 +214,7 @@ class _Call:
     state_dtype: torch.dtype
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
-    layouts: Optional[dict] = None  # exact -> _Layout, on a call remembered by _checked_call (it has one context)
+    layouts: dict = field(default_factory=dict)  # exact -> _Layout (a _Call serves one context: _checked_call)
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -441,26 +441,19 @@ def _long_heads(call: _Call, lay: _Layout, x):
     sequence is first tried at SHORT_TOKENS, where the gate bounds it (one host read of the side stream; the index
     tensor is made while the stream is idle). On CUDA a window whose chains fit a quarter of the SMs is not split:
     every head runs it whole beside the main pass, which costs less than the host read and the selections."""
-    if _whole_window(lay, x):
+    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
         return None
+    q, v = x[0], x[2]
+    if v.is_cuda:                   # the window's pass carries K columns (v = 0 from the identity) per v-head
+        from .launch import num_sms
+        if v.shape[2] * -(-q.shape[3] // 64) <= num_sms(v.device) // 4:
+            return None
     bounded = _gate_bounded(call, x, 0, SHORT_TOKENS).tolist()
     longs = [h for h, ok in enumerate(bounded) if not ok]
     STATS["split_windows"] += 1
     STATS["long_heads"] += len(longs)
     idx = torch.tensor(longs, dtype=torch.long, device=x[0].device) if 0 < len(longs) < len(bounded) else None
     return len(longs), idx
-
-
-def _whole_window(lay: _Layout, x) -> bool:
-    """The head window runs whole for every head (no gate test, so no host read): it is at most SHORT_TOKENS long,
-    holds its whole sequence, or (on CUDA) its chains fit a quarter of the SMs."""
-    if not (lay.head > SHORT_TOKENS and not lay.head_covers):
-        return True
-    q, v = x[0], x[2]
-    if v.is_cuda:                   # the window's pass carries K columns (v = 0 from the identity) per v-head
-        from .launch import num_sms
-        return v.shape[2] * -(-q.shape[3] // 64) <= num_sms(v.device) // 4
-    return False
 
 
 def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Tensor]:
@@ -554,11 +547,9 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
         h_own[0] = 0
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
-    lay = call.layouts.get(exact) if call.layouts is not None else None
+    lay = call.layouts.get(exact)
     if lay is None:
-        lay = _layout(ctx, exact)
-        if call.layouts is not None:
-            call.layouts[exact] = lay
+        lay = call.layouts[exact] = _layout(ctx, exact)
     with _range("cp.forward.local"), torch.no_grad():
         o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
     # beside it: the head window and the flags' all-gather, queued on the side stream
@@ -775,7 +766,6 @@ def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_stat
     if key is not None:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.pop(next(iter(_CHECKED)))
-        call.layouts = {}
         _CHECKED[key] = (ctx, call)
     return call
 
