@@ -355,7 +355,7 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = 
                       last=empty(N, **i32))
     start, fallback = empty(S, Hv, **i32), empty(S, Hv, **i32)
     rend, rfallback = (empty(S, Hv, **i32), empty(S, Hv, **i32)) if bidi else (start, fallback)
-    launch("gdn_cp_plan", {"tile": 1024}, dev,
+    launch("gdn_cp_plan", {"tile": 256}, dev,
             {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY,
              "bidi": int(bidi)},
             {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),

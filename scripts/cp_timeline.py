@@ -1,6 +1,7 @@
 """Where one rank's context-parallel call spends its time: GPU and host timestamps of each step, no profiler.
 
 usage (one GPU): python scripts/cp_timeline.py [--tokens 262144] [--heads 2/8] [--rank 1] [--world 4] [--calls 15]
+                [--kernels]
 
 One process plays rank --rank of a --world-rank group over one sequence of --world x --tokens tokens, its shard
 --tokens long: a single-rank NCCL group whose all-gather and point-to-point exchange are replaced by local copies
@@ -10,11 +11,13 @@ Each step of flash_qla.distributed's forward (the main pass, the head window, th
 wrapped in CUDA events recorded on the stream it runs on, and host perf_counter stamps beside them; the medians over
 the calls after three warm-up calls are printed in microseconds from the call's start, GPU then host: a step whose
 GPU stamp follows its host stamp by little waited for the host. The plain call on the shard (an entering state in,
-the final state out, as cp_bench.py's local_ms) is timed last. Inputs as cp_bench.py draws them.
+the final state out, as cp_bench.py's local_ms) is timed last. Inputs as cp_bench.py draws them. --kernels also
+lists one call's kernels (torch.profiler): start and duration in us from the first, and the stream each ran on.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -50,6 +53,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--calls", type=int, default=15)
+    p.add_argument("--kernels", action="store_true", help="list one call's kernels and their streams")
     args = p.parse_args()
     if not 0 <= args.rank < args.world:
         raise SystemExit(f"cp_timeline: --rank must lie in [0, {args.world})")
@@ -122,6 +126,28 @@ def run(args, shard) -> None:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         print(f"the plain call on the shard: {statistics.median(times[3:]):.3f} ms")
+        if args.kernels:
+            print_kernels(lambda: cpd.chunk_gated_delta_rule_cp(*x, cp_context=ctx))
+
+
+def print_kernels(call) -> None:
+    """One call's GPU kernels and copies from a torch.profiler trace: start and duration in us, stream, name."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    rows = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not rows:
+        return
+    t0 = rows[0]["ts"]
+    print(f"{'start':>9s} {'us':>8s} {'stream':>6s}  kernel")
+    for e in rows:
+        print(f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} {e['args'].get('stream', '?'):>6}  {e['name'][:60]}")
 
 
 if __name__ == "__main__":

@@ -92,13 +92,15 @@ def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypat
     assert reference.relative_l2(o, o_plain.double()) <= 5e-3 and reference.relative_l2(ht, ht_plain.double()) <= 5e-3
 
 
-@pytest.mark.parametrize("L", [1, 2, 5])
+@pytest.mark.parametrize("L, lengths", [(1, LENGTHS), (2, LENGTHS), (5, LENGTHS), (1, LENGTHS + [5000])],
+                         ids=["L1", "L2", "L5", "L1-many-ctas"])
 @pytest.mark.parametrize("unit_keys", [True, False])
-def test_plan_kernel_matches_torch_tables(L, unit_keys, monkeypatch):
+def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables (+ cp.reverse_warmup_tables for the
     backward's launch) on gdn_prepare's real outputs:
-    varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound."""
-    x = draw(LENGTHS, 2, 6, 64, 64, torch.bfloat16, seed=L)
+    varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound; the
+    longest case has more (segment, head) pairs than one CTA of the kernel walks."""
+    x = draw(lengths, 2, 6, 64, 64, torch.bfloat16, seed=L + 100 * (len(lengths) - len(LENGTHS)))
     if not unit_keys:
         x["k"] = x["k"] * 1.6  # beta |k|^2 up to 2.56: some chunks void the warm-up bound
     x["g"] = x["g"] / 8
