@@ -215,6 +215,7 @@ class _Call:
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
     layouts: dict = field(default_factory=dict)  # exact -> _Layout (a _Call serves one context: _checked_call)
+    windows: dict = field(default_factory=dict)  # (w, heads) -> the head window pass's kernel_api.Call, once made
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
@@ -223,18 +224,24 @@ class _Call:
                                       auto_cp=auto_cp)
 
 
-_EYES: dict = {}
+_CONSTANTS: dict = {}
+_ZEROS_KEPT = 1 << 25   # bytes: a head window's zero values up to this size are made once (16 MiB at 2/8 heads)
+
+
+def _constant(key: tuple, make):
+    """A tensor that is only ever read (identity states, zero values), made once per key."""
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= 64:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = make()
+    return t
 
 
 def _eye(K: int, H: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The identity state [1, H, K, K], made once per shape (only ever read)."""
-    key = (K, H, dtype, device)
-    eye = _EYES.get(key)
-    if eye is None:
-        if len(_EYES) >= 64:
-            _EYES.clear()
-        eye = _EYES[key] = torch.eye(K, dtype=dtype, device=device).expand(1, H, K, K).contiguous()
-    return eye
+    """The identity state [1, H, K, K]."""
+    return _constant(("eye", K, H, dtype, device),
+                     lambda: torch.eye(K, dtype=dtype, device=device).expand(1, H, K, K).contiguous())
 
 
 def _select(call: _Call, idx: Optional[torch.Tensor], x, with_v: bool = True):
@@ -275,10 +282,22 @@ def _head_piece(call: _Call, x, idx, w: int, skip: int) -> _Piece:
     main pass's, while a plain chain of a few CTAs runs beside the main pass at this stream's priority."""
     q, k, v, g, beta = (t[:, :w].detach() for t in x)
     lq, lk, lg, lb = _select(call, idx, (q, k, None, g, beta), with_v=False)
-    H, K = v.shape[2] if idx is None else idx.numel(), q.shape[3]
+    H, K, dev = v.shape[2] if idx is None else idx.numel(), q.shape[3], q.device
+    zeros = (_constant(("zeros", w, H, K, v.dtype, dev), lambda: v.new_zeros(1, w, H, K))
+             if w * H * K * v.element_size() <= _ZEROS_KEPT else v.new_zeros(1, w, H, K))
+    eye = _eye(K, H, call.state_dtype, dev)
+    # a repeated call (same _Call: same shapes, dtypes and layouts) makes the same window pass: its kernel call is
+    # kept, so the pass reaches the GPU without the entry's checks (its launches wait on the host otherwise)
+    fast = call.windows.get((w, H))
     with torch.no_grad():
-        out = call.run(lq, lk, lq.new_zeros(1, w, H, K, dtype=v.dtype), lg, lb, _eye(K, H, call.state_dtype, q.device),
-                       auto_cp=False)
+        if fast is not None:
+            out = fast(lq, lk, zeros, lg, lb, eye, None)
+        else:
+            out = call.run(lq, lk, zeros, lg, lb, eye, auto_cp=False)
+            from .api import remembered_call
+            fast = remembered_call(lq, lk, zeros, lg, lb, call.scale, eye, True, call.l2norm, auto_cp=False)
+            if fast is not None:
+                call.windows[(w, H)] = fast
     return _Piece(idx, w, skip, out)
 
 
