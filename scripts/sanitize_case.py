@@ -5,6 +5,8 @@ usage: python scripts/sanitize_case.py          a varlen forward + backward over
                                                 FLA's fused gate / beta activations (gdn_gate_bwd)
        python scripts/sanitize_case.py tiny     one head, one 64-token chunk + a 5-token one: a racecheck report
                                                 that can be read hazard by hazard
+       python scripts/sanitize_case.py plan     the intra-card CP forward and backward with more (segment, v-head)
+                                                pairs than one gdn_cp_plan CTA walks (several of its CTAs)
 """
 import sys
 
@@ -30,8 +32,27 @@ def tiny() -> None:
     sys.exit(0)
 
 
+def plan() -> None:
+    torch.manual_seed(0)
+    T, hq, hv, K, V = 64 * 70 + 5, 1, 4, 128, 128          # 71 one-chunk segments x 4 v-heads = 284 pairs
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    q = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16().requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(1, T, hv, V, device="cuda").bfloat16().requires_grad_()
+    g = (-torch.rand(1, T, hv, device="cuda") / 8).requires_grad_()
+    beta = torch.rand(1, T, hv, device="cuda").requires_grad_()
+    tuning.settings.force_segment_chunks = 1
+    o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    grads = torch.autograd.grad([o, ht], [q, k, v, g, beta], [torch.randn_like(o), torch.randn_like(ht)])
+    torch.cuda.synchronize()
+    print("plan case ok", float(o.detach().float().abs().sum()), [float(d.float().abs().sum()) for d in grads])
+    sys.exit(0)
+
+
 if sys.argv[1:] == ["tiny"]:
     tiny()
+elif sys.argv[1:] == ["plan"]:
+    plan()
 elif sys.argv[1:]:
     sys.exit(__doc__)
 
