@@ -261,11 +261,12 @@ def _fast_eligible(q, k, v, g, beta, h0, cu_seqlens, backend: str) -> bool:
 
 
 def remembered_call(q, k, v, g, beta, scale, initial_state, output_final_state: bool, l2norm: bool,
-                    auto_cp: bool = True):
-    """The fast lane's kernel_api.Call of a plain call (no cu_seqlens) made before with these arguments' signature,
-    or None: a caller that repeats one shape of call (flash_qla.distributed's head window) keeps it and calls it
-    as Call(q, k, v, g, beta, initial_state, None), skipping the entry's per-call checks, as the fast lane does."""
-    signature = _signature(q, k, v, g, beta, scale, initial_state, None, output_final_state, l2norm, 64, None,
+                    cu_seqlens=None, auto_cp: bool = True):
+    """The fast lane's kernel_api.Call of a plain call (cu_seqlens on the device or None, no host copy) made before
+    with these arguments' signature, or None: a caller that repeats one shape of call with the same offsets
+    (flash_qla.distributed's main pass and head window) keeps it and calls it as Call(q, k, v, g, beta,
+    initial_state, cu_seqlens), skipping the entry's per-call checks, as the fast lane does."""
+    signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, l2norm, 64, None,
                            auto_cp)
     return _FAST.get(signature) if signature is not None else None
 

@@ -215,13 +215,28 @@ class _Call:
     group_size: int           # v-heads per q/k head
     problem: object = None    # the shard's validated sizes (flash_qla.validation.Problem)
     layouts: dict = field(default_factory=dict)  # exact -> _Layout (a _Call serves one context: _checked_call)
-    windows: dict = field(default_factory=dict)  # (w, heads) -> the head window pass's kernel_api.Call, once made
+    kept: dict = field(default_factory=dict)     # a pass's role -> its kernel_api.Call (run_kept)
 
     def run(self, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
         from .api import chunk_gated_delta_rule  # lazy: flash_qla's package init may import this module
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=self.scale, initial_state=h0, output_final_state=final,
                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=self.l2norm, backend=self.backend,
                                       auto_cp=auto_cp)
+
+    def run_kept(self, role: tuple, q, k, v, g, beta, h0=None, final=True, cu=None, auto_cp=True):
+        """run(), with the pass's fast-lane kernel call kept under ``role``: a repeated call (same _Call: same shapes,
+        dtypes and layouts, one context) makes the same passes, which then reach the GPU without the entry's
+        checks (the host time before a pass's launches is on the multi-GPU call's critical path)."""
+        fast = self.kept.get(role)
+        if fast is not None:
+            return fast(q, k, v, g, beta, h0, cu)
+        out = self.run(q, k, v, g, beta, h0, final, cu, auto_cp)
+        if q.is_cuda:
+            from .api import remembered_call
+            fast = remembered_call(q, k, v, g, beta, self.scale, h0, final, self.l2norm, cu, auto_cp)
+            if fast is not None:
+                self.kept[role] = fast
+        return out
 
 
 _CONSTANTS: dict = {}
@@ -285,19 +300,8 @@ def _head_piece(call: _Call, x, idx, w: int, skip: int) -> _Piece:
     H, K, dev = v.shape[2] if idx is None else idx.numel(), q.shape[3], q.device
     zeros = (_constant(("zeros", w, H, K, v.dtype, dev), lambda: v.new_zeros(1, w, H, K))
              if w * H * K * v.element_size() <= _ZEROS_KEPT else v.new_zeros(1, w, H, K))
-    eye = _eye(K, H, call.state_dtype, dev)
-    # a repeated call (same _Call: same shapes, dtypes and layouts) makes the same window pass: its kernel call is
-    # kept, so the pass reaches the GPU without the entry's checks (its launches wait on the host otherwise)
-    fast = call.windows.get((w, H))
     with torch.no_grad():
-        if fast is not None:
-            out = fast(lq, lk, zeros, lg, lb, eye, None)
-        else:
-            out = call.run(lq, lk, zeros, lg, lb, eye, auto_cp=False)
-            from .api import remembered_call
-            fast = remembered_call(lq, lk, zeros, lg, lb, call.scale, eye, True, call.l2norm, auto_cp=False)
-            if fast is not None:
-                call.windows[(w, H)] = fast
+        out = call.run_kept(("window", w, H), lq, lk, zeros, lg, lb, _eye(K, H, call.state_dtype, dev), auto_cp=False)
     return _Piece(idx, w, skip, out)
 
 
@@ -570,7 +574,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     if lay is None:
         lay = call.layouts[exact] = _layout(ctx, exact)
     with _range("cp.forward.local"), torch.no_grad():
-        o_m, ht_m = _run_local(call, ctx, q, k, v, g, beta, h_own, final)
+        o_m, ht_m = call.run_kept(("main", h_own is None, final), q, k, v, g, beta, h_own, final, ctx.cu_seqlens)
     # beside it: the head window and the flags' all-gather, queued on the side stream
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)

@@ -7,10 +7,10 @@ One process plays rank --rank of a --world-rank group over one sequence of --wor
 --tokens long: a single-rank NCCL group whose all-gather and point-to-point exchange are replaced by local copies
 (every rank's payload is this rank's), so the boundary work runs as on a real rank but the exchange costs a copy
 and no rank waits for another.
-Each step of flash_qla.distributed's forward (the main pass, the head window, the exchange with its correction) is
-wrapped in CUDA events recorded on the stream it runs on, and host perf_counter stamps beside them; the medians over
-the calls after three warm-up calls are printed in microseconds from the call's start, GPU then host: a step whose
-GPU stamp follows its host stamp by little waited for the host. The plain call on the shard (an entering state in,
+Each step of flash_qla.distributed's forward (the main pass, the head window and its pass, the exchange with its
+correction) is wrapped in CUDA events recorded on the stream it runs on, and host perf_counter stamps beside them;
+the medians over the calls after three warm-up calls are printed in microseconds from the call's start, GPU then
+host: a step whose GPU stamp follows its host stamp by little waited for the host. The plain call on the shard (an entering state in,
 the final state out, as cp_bench.py's local_ms) is timed last. Inputs as cp_bench.py draws them. --kernels also
 lists one call's kernels (torch.profiler): start and duration in us from the first, and the stream each ran on.
 """
@@ -96,8 +96,16 @@ def run(args, shard) -> None:
             return out
         return step
 
-    for attr, name in (("_run_local", "main pass"), ("_head_windows", "head window"), ("_exchange", "exchange")):
+    for attr, name in (("_head_windows", "head window"), ("_exchange", "exchange")):
         setattr(cpd, attr, wrapped(getattr(cpd, attr), name))
+    run_kept = cpd._Call.run_kept
+
+    def marked_pass(self, role, *a, **kw):    # the main pass and the head window's pass, by their role
+        mark(f"{role[0]} pass start")
+        out = run_kept(self, role, *a, **kw)
+        mark(f"{role[0]} pass end")
+        return out
+    cpd._Call.run_kept = marked_pass
     stamps: dict = {}
     with torch.no_grad():
         for i in range(args.calls):
