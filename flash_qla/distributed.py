@@ -617,7 +617,7 @@ def _local_backward(call: _Call, ctx: "CPContext", x, h0, do, dht):
     leaves = [t.detach().requires_grad_(True) for t in x] + ([h0.detach().requires_grad_(True)] if h0 is not None
                                                             else [])
     with torch.enable_grad():
-        o, ht = _run_local(call, ctx, *leaves[:5], leaves[5] if h0 is not None else None, dht is not None)
+        o, ht = call.run(*leaves[:5], leaves[5] if h0 is not None else None, dht is not None, ctx.cu_seqlens)
         outs, seeds = [o], [do]
         if dht is not None:
             outs.append(ht)
@@ -759,7 +759,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (ctx.world_size > 1 and ctx.has_links):
         if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
             raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        return _run_local(call, ctx, q, k, v, g, beta, initial_state, output_final_state)
+        return call.run(q, k, v, g, beta, initial_state, output_final_state, ctx.cu_seqlens)
     STATS["calls"] += 1
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
         return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
@@ -791,10 +791,3 @@ def _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_stat
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[key] = (ctx, call)
     return call
-
-
-def _run_local(call: _Call, ctx: CPContext, q, k, v, g, beta, h0, final):
-    from .api import chunk_gated_delta_rule
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale=call.scale, initial_state=h0, output_final_state=final,
-                                  cu_seqlens=ctx.cu_seqlens, use_qk_l2norm_in_kernel=call.l2norm,
-                                  backend=call.backend)
