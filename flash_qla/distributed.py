@@ -74,8 +74,9 @@ WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # the head window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
 SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
+WINDOW_STOPS = True               # a whole head window's chains stop where each head's gate bounds the rest
 STATS = collections.Counter()     # linked forward calls, those that had to run their boundaries exactly, windows split
-                                  # by the gate and the heads that kept the full length there
+                                  # by the gate and the heads that kept the full length there, windows run with stops
 
 
 @dataclass(frozen=True)
@@ -273,12 +274,21 @@ def _select(call: _Call, idx: Optional[torch.Tensor], x, with_v: bool = True):
 class _Piece:
     """One pass over the head window for v-heads ``idx`` (None: all), tokens [0, w), from the identity with v = 0:
     its o is q carried back to the shard's start (the entering state's part of o is o @ h_in), its final state the
-    transition. The correction it makes covers tokens [skip, w) (a shorter piece covers the tokens before)."""
+    transition. The correction it makes covers tokens [skip, w) (a shorter piece covers the tokens before). A piece
+    run with stops (_head_piece) has ``whole``: the heads that ran all w tokens; the others stopped where their gate
+    bounds the rest (their o is zero past it and their final state is not the window's transition)."""
     idx: Optional[torch.Tensor]
     w: int
     skip: int
     out: tuple                          # (o [1, w, H, K], final [1, H, K, K])
     corr: Optional[torch.Tensor] = None  # [H, w - skip, V]
+    whole: Optional[torch.Tensor] = None  # [H] bool
+
+    def miss(self) -> torch.Tensor:
+        """Whether some head's window missed the bound (0-d bool): its measured transition is too large (a head that
+        stopped early is bounded by its gate)."""
+        large = torch.linalg.matrix_norm(self.m) > TRANSITION_NORM_BOUND
+        return (large if self.whole is None else large & self.whole).any()
 
     @property
     def q_back(self) -> torch.Tensor:   # [H, w - skip, K]
@@ -292,17 +302,73 @@ class _Piece:
         return t if self.idx is None else t.index_select(dim, self.idx)
 
 
-def _head_piece(call: _Call, x, idx, w: int, skip: int) -> _Piece:
+def _head_piece(call: _Call, x, idx, w: int, skip: int, stops: bool = False) -> _Piece:
     """No intra-card CP inside (auto_cp=False): its pre-pass would queue on the internal side streams behind the
-    main pass's, while a plain chain of a few CTAs runs beside the main pass at this stream's priority."""
+    main pass's, while a plain chain of a few CTAs runs beside the main pass at this stream's priority. ``stops``
+    (a window of every head that does not hold its whole sequence, w a multiple of 64): each head's chain stops
+    where its gate bounds the rest of the window, decided on the device (the kernels' window build; the reference
+    zeroes the same rows), so the heads whose gate decays hold an SM for a few chunks, not for the whole window."""
     q, k, v, g, beta = (t[:, :w].detach() for t in x)
     lq, lk, lg, lb = _select(call, idx, (q, k, None, g, beta), with_v=False)
     H, K, dev = v.shape[2] if idx is None else idx.numel(), q.shape[3], q.device
     zeros = (_constant(("zeros", w, H, K, v.dtype, dev), lambda: v.new_zeros(1, w, H, K))
              if w * H * K * v.element_size() <= _ZEROS_KEPT else v.new_zeros(1, w, H, K))
+    stops = stops and w % 64 == 0
+    if stops:
+        STATS["stopped_windows"] += 1
     with torch.no_grad():
+        if stops and _window_build(call, lq):
+            return _Piece(idx, w, skip, *_stopped_window(call, lq, lk, zeros, lg, lb, w))
         out = call.run_kept(("window", w, H), lq, lk, zeros, lg, lb, _eye(K, H, call.state_dtype, dev), auto_cp=False)
-    return _Piece(idx, w, skip, out)
+        if not stops:
+            return _Piece(idx, w, skip, out)
+        stop, whole = _window_stops(call, lk, lg, lb, w)       # the reference: the same rows zeroed
+        rows = torch.arange(w, device=dev)[:, None] >= stop[None, :]
+        out[0][0].masked_fill_(rows[..., None], 0)
+    return _Piece(idx, w, skip, out, whole=whole)
+
+
+def _window_build(call: _Call, q: torch.Tensor) -> bool:
+    """The kernels run the window with stops (gdn_fwd_chain's window build: 16-bit inputs on the kernel path)."""
+    from .api import select_backend
+    return q.dtype in (torch.bfloat16, torch.float16) and select_backend(q.device, call.backend) == "kernels"
+
+
+def _stopped_window(call: _Call, q, k, zeros, g, beta, w: int):
+    """((o, final), whole) of the kernels' window build over tokens [0, w) of every head."""
+    from .forward import forward, forward_plan
+    from .launch import DTYPE_TAG
+    H, dev = zeros.shape[2], q.device
+    made = call.kept.get(("stopped window", w, H))
+    if made is None:            # checked and planned once per remembered call: a split plan, one 64-column block
+        from .validation import validate_inputs
+        problem = validate_inputs(q, k, zeros, g, beta, call.scale, None, None)
+        plan = forward_plan(problem, DTYPE_TAG[q.dtype], dev, call.l2norm, True, allow_cp=False)
+        made = call.kept[("stopped window", w, H)] = (problem, plan._replace(path="split", block_v=64))
+    problem, plan = made
+    flags = torch.empty(1, H, dtype=torch.int32, device=dev)
+    o, final, _, _ = forward(problem, q, k, zeros, g if g.dtype == torch.float32 else g.float(), beta, None, True,
+                             None, call.l2norm, plan=plan, window=(w // 64, flags))
+    return (o, final), flags[0] != 0
+
+
+def _window_stops(call: _Call, k, g, beta, w: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The reference form of the window build's stops, per v-head ([H] token counts, [H] bool whole): the fewest
+    leading 64-token chunks whose g sums to <= WARMUP_LOG_DECAY, where every chunk of the window has
+    beta |k|^2 <= 2; else the whole window."""
+    H = g.shape[2]
+    chunks = w // 64
+    tot = g[0].float().view(chunks, 64, H).sum(1).cumsum(0)                         # [chunks, H]
+    kk = torch.ones_like(beta[0], dtype=torch.float32)
+    if not call.l2norm:
+        kk = torch.linalg.vector_norm(k[0].float(), dim=-1) ** 2
+        kk = kk.repeat_interleave(H // k.shape[2], dim=1)
+    bkk = (beta[0].float() * kk).view(chunks, 64, H).amax(1).amax(0)              # [H]
+    reached = tot <= WARMUP_LOG_DECAY
+    ok = reached.any(0) & (bkk <= 2.0)
+    first = reached.int().argmax(0) + 1
+    stop = torch.where(ok, first * 64, torch.full_like(first, w))
+    return stop, ~ok
 
 
 def _too_large(m: torch.Tensor) -> torch.Tensor:
@@ -493,9 +559,9 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
                     pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS))
                     misses.append(_too_large(pieces[-1].m))
             else:
-                pieces.append(_head_piece(call, x, None, lay.head, 0))
+                pieces.append(_head_piece(call, x, None, lay.head, 0, stops=WINDOW_STOPS and not lay.head_covers))
                 if not lay.head_covers:
-                    misses.append(_too_large(pieces[-1].m))
+                    misses.append(pieces[-1].miss())
         miss = torch.stack(misses).any() if misses else torch.zeros((), dtype=torch.bool, device=dev)
     return pieces, miss
 

@@ -118,7 +118,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             want_gate_free_inverse: bool = False, saved: Optional[dict] = None,
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
             g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO,
-            plan: Optional[ForwardPlan] = None, gate: KernelGate = NO_GATE):
+            plan: Optional[ForwardPlan] = None, gate: KernelGate = NO_GATE,
+            window: Optional[Tuple[int, torch.Tensor]] = None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     ``state_io`` (flash_qla/states.py): the caller's state layout and pool, which the kernels read and write in
@@ -136,7 +137,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     here. ``after_cp_tables(seg, reverse)``: called when the recompute plans CP, right after the segment tables are
     launched and before its pre-pass (the backward starts its own reverse pre-pass there, on a stream of its own).
     ``gate`` (flash_qla/gates.py): g / beta are FLA's raw gate / beta logits, activated by the kernels where they load
-    them (gdn_prepare, gdn_fwd_fused); ``saved`` then also keeps the raw g and the gate for gdn_bwd_chunk."""
+    them (gdn_prepare, gdn_fwd_fused); ``saved`` then also keeps the raw g and the gate for gdn_bwd_chunk.
+    ``window`` = (walk, flags): multi-GPU CP's head window (flash_qla/distributed.py), the chain's "window" build on a
+    split plan: from the identity with v unread (V = K), each (sequence, v-head) stopping where the gate of its
+    first ``walk`` chunks bounds the rest (gdn_fwd_chain's docstring); flags [N, Hv] int32 receives 1 where a head
+    ran its whole sequence."""
     dev = q.device
     dt = q.dtype
     T = problem.batch * problem.tokens
@@ -227,11 +232,13 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     if saved is None and L is not None:
         ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
     elif saved is None:
-        variant = {"dtype": tag, "K": K, "V": V, "BV": plan.block_v, "mode": "out"}
-        launch(CHAIN_KERNEL, variant, dev,
-               dict(sizes, use_h0=int(h0 is not None), store_ht=int(ht.numel() > 0), state_mode=state_io.mode,
-                    h0_rows=h0.shape[0] if h0 is not None else N, ht_rows=ht.shape[0] if ht.numel() else N),
-               pointers, stream)
+        variant = {"dtype": tag, "K": K, "V": V, "BV": plan.block_v, "mode": "out" if window is None else "window"}
+        chain_sizes = dict(sizes, use_h0=int(h0 is not None), store_ht=int(ht.numel() > 0), state_mode=state_io.mode,
+                           h0_rows=h0.shape[0] if h0 is not None else N, ht_rows=ht.shape[0] if ht.numel() else N)
+        if window is not None:
+            chain_sizes.update(stop=window[0], decay_bound=cp.WARMUP_LOG_DECAY)
+            pointers = dict(pointers, gam_t=tile_ptr[2], bkk_max=tile_ptr[3], fallback=window[1].data_ptr())
+        launch(CHAIN_KERNEL, variant, dev, chain_sizes, pointers, stream)
     else:  # the backward's recompute: the save build stores every chunk's entering state, W and Vnew
         hs = chunk_slot_states(TC // CHUNK, problem, dev, dt)
         w, vnew = (empty(T, Hv, V, device=dev, dtype=dt) for _ in range(2))

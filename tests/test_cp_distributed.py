@@ -2,6 +2,8 @@
 against the fp64 token loop run over the whole batch (sequences crossing rank boundaries, strong decay, g = 0
 heads, GVA, initial states, the warm-up shortcuts and the exact transitions)."""
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,11 +75,14 @@ CASES = [
     # may not, and it runs all 32 with its transition): errors up to the e^-10 bound
     ("transit_windows_32", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 32, False, 2e-4),
     ("transit_windows_64", 4, 96, [0, 40, 300, 384], 2, 4, 8, 8, [3.0, 16.0, 0.5, 8.0], 64, True, 2e-4),
+    # whole 256-token windows (no gate split) run with stops: the decaying heads stop after their first 64-token chunk,
+    # the g = 0 head runs all four chunks and its transition over 256 unit keys in K = 4 is measured
+    ("stopped_windows", 4, 512, [0, 2048], 2, 4, 4, 8, [0.0, 0.3, 2.0, 8.0], 256, False, 2e-4),
 ]
 # whether a case's windows miss the bound somewhere, so that every rank runs its boundaries exactly (None: windows
 # that hold whole ranges, nothing to miss)
 FALLS_BACK = {"window_too_short": True, "one_sequence_probe": False, "transit_windows_16": False,
-              "transit_windows_32": False, "transit_windows_64": False}
+              "transit_windows_32": False, "transit_windows_64": False, "stopped_windows": False}
 
 
 # the cases whose leaving states go to the next rank point to point (no transition travels): their only
@@ -98,10 +103,14 @@ def _check_case(rank, world, case):
         handed.append(kwargs.get("reverse", False))
         return pass_on(*args, **kwargs)
     cpd._GATHER_SINGLE, cpd._pass_on = counting_gather, counting_pass_on
+    short = cpd.SHORT_TOKENS
+    if case[0] == "stopped_windows":    # windows up to SHORT_TOKENS are not split by the gate: whole, with stops
+        cpd.SHORT_TOKENS = 1024
     try:
         _run_case(rank, world, case)
     finally:
         cpd._GATHER_SINGLE, cpd._pass_on = gather, pass_on
+        cpd.SHORT_TOKENS = short
     if case[0] in HANDED_ON:        # three forwards (the call, the routed and the direct call) and one backward
         assert gathered == [1, 1, 1] and sorted(handed) == [False] * 3 + [True], (case[0], rank, gathered, handed)
     calls = cpd.STATS["calls"] - before.get("calls", 0)
@@ -111,6 +120,13 @@ def _check_case(rank, world, case):
         assert fallbacks == (calls if FALLS_BACK[case[0]] else 0), (case[0], rank, fallbacks)
     split = cpd.STATS["split_windows"] - before.get("split_windows", 0)
     longs = cpd.STATS["long_heads"] - before.get("long_heads", 0)
+    if case[0] == "stopped_windows" and rank > 0:
+        assert cpd.STATS["stopped_windows"] - before.get("stopped_windows", 0) == calls, (case[0], rank)
+        x, _, _ = make_inputs(case[2] * world, case[4], case[5], case[6], case[7], 1, seed=len(case[0]), decay=case[8])
+        lo = rank * case[2]
+        stop, whole = cpd._window_stops(types.SimpleNamespace(l2norm=case[10]), x["k"][:, lo:lo + 256],
+                                        x["g"][:, lo:lo + 256], x["beta"][:, lo:lo + 256], 256)
+        assert stop.tolist()[1:] == [64, 64, 64] and whole.tolist() == [True, False, False, False], (stop, whole)
     if case[0] == "transit_windows_16":                        # windows no longer than the short one: never split
         assert split == 0, (case[0], rank, split)
     if case[0] == "transit_windows_32" and rank == 2:          # the head window split, the 0.5-decay head kept 32
@@ -224,5 +240,5 @@ def test_two_ranks_against_fp64_loop(tmp_path):
 
 def test_four_ranks_against_fp64_loop(tmp_path):
     _spawn(4, {"spanning_four_default", "spanning_four_exact", "one_sequence_probe",
-               "boundaries_between_sequences", "transit_windows_16", "transit_windows_32", "transit_windows_64"},
-           tmp_path)
+               "boundaries_between_sequences", "transit_windows_16", "transit_windows_32", "transit_windows_64",
+               "stopped_windows"}, tmp_path)

@@ -132,3 +132,49 @@ def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     assert bool(rfallback.any())
     if unit_keys:  # a gate-bounded reverse warm-up somewhere (keys with |k| != 1 void the bound everywhere)
         assert bool((rend > seg.cu[1:].int()[:, None]).logical_and(rfallback == 0).any())
+
+
+def window_build_variants():
+    return sorted({(v["dtype"], v["K"]) for v in flash_qla.loader.library().variants(launch.CHAIN_KERNEL)
+                   if v["mode"] == "window"})
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("w", [1024, 8192])
+@pytest.mark.parametrize("variant", window_build_variants())
+def test_window_build_stops_like_the_reference(variant, w, l2norm):
+    """gdn_fwd_chain's window build (multi-GPU CP's head window, flash_qla.distributed._stopped_window) against the
+    reference form of its stops (distributed._window_stops) and the fp64 pass from the identity with v = 0: the same
+    heads run the whole window; o (NaN-poisoned) is q carried back before each head's stop and zero after it; a head
+    that ran the whole window returns its transition. Heads: g = 0, weak, medium and strong decay, and keys with
+    beta |k|^2 > 2 that void the gate's bound (without l2norm)."""
+    from flash_qla import distributed as cpd
+    dtype, K = {"bf16": torch.bfloat16, "fp16": torch.float16}[variant[0]], variant[1]
+    hq, hv = 2, 8
+    gen = torch.Generator(device="cuda").manual_seed(w + K)
+    q = torch.nn.functional.normalize(torch.randn(1, w, hq, K, device="cuda", generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(1, w, hq, K, device="cuda", generator=gen), dim=-1)
+    k[:, :, 1] *= 1.6                                     # q/k head 1 (v-heads 4-7): beta |k|^2 up to 2.56
+    q, k = q.to(dtype), k.to(dtype)
+    strength = torch.tensor([0.0, 0.002, 0.05, 2.0] * 2, device="cuda")
+    g = -strength * torch.nn.functional.softplus(0.5 * torch.randn(1, w, hv, device="cuda", generator=gen) + 1)
+    beta = torch.rand(1, w, hv, device="cuda", generator=gen)
+    zeros = torch.zeros(1, w, hv, K, device="cuda", dtype=dtype)
+    call = cpd._Call(K ** -0.5, l2norm, "auto", torch.float32, hv // hq)
+    (o, final), whole = cpd._stopped_window(call, q, k, zeros, g, beta, w)
+    stop, whole_ref = cpd._window_stops(call, k, g, beta, w)
+    assert torch.equal(whole, whole_ref), (whole, whole_ref)
+    assert bool(whole[0]) and not bool(whole[3])          # the g = 0 head runs it all, the strong one stops
+    eye = torch.eye(K, dtype=torch.float64, device="cuda").expand(1, hv, K, K).contiguous()
+    o_ref, m_ref = reference.chunked_gated_delta_rule(q.double(), k.double(), zeros.double(), g.double(),
+                                                      beta.double(), K ** -0.5, eye, True, None, l2norm)
+    rows = torch.arange(w, device="cuda")[:, None] < stop[None, :]                     # [w, hv]
+    assert not torch.isnan(o).any()
+    assert torch.equal(o[0][~rows], torch.zeros_like(o[0][~rows]))
+    for h in range(hv):
+        n = int(stop[h])
+        assert reference.relative_l2(o[0, :n, h], o_ref[0, :n, h]) <= TOL, h
+        if bool(whole[h]):
+            assert reference.relative_l2(final[0, h], m_ref[0, h]) <= TOL, h
+    (o2, final2), whole2 = cpd._stopped_window(call, q, k, zeros, g, beta, w)      # repeats bit-identical
+    assert torch.equal(o2, o) and torch.equal(final2, final) and torch.equal(whole2, whole)

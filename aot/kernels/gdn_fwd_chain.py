@@ -25,6 +25,12 @@ CP pre-pass builds (no q, P or output): "state" runs the state-only chain from S
 ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-driven warm-up), into ht[n];
 "trans" the same range with V = 0 and S = I (V = K), the range's exact transition M, for the heads whose
 decay does not bound the warm-up (fallback[n, h] != 0; other heads run no chunk).
+Multi-GPU CP's head window ("window", flash_qla/distributed.py): the output pass from S = I with V = 0 (V = K) over
+sequence n, o being q carried back to the sequence's start and the final state the transition. With stop > 0 each
+(n, h) first walks its first `stop` chunks' totals (gdn_prepare's gamma at row 63 and bkk_max, as gdn_cp_plan's
+warm-ups) and, where their g sums to <= decay_bound with every walked chunk's beta |k|^2 <= 2, runs only the fewest
+leading chunks that get there (the rest of its o is written as zeros: beyond them q carried back is below the
+bound); fallback[n, h] (an output here) = 1 where it ran the whole sequence, whose transition the caller measures.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -34,9 +40,11 @@ from .producer_warp import register as single_warp_producer
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128],
-            "mode": ["out", "state", "trans"]}
-# the CP pre-pass builds: one V block (64: they are never the only work on the GPU); trans needs V = K
-VARIANT_RULE = "BV <= V and (mode == 'out' or BV == 64) and (mode != 'trans' or V == K)"
+            "mode": ["out", "state", "trans", "window"]}
+# the CP pre-pass builds: one V block (64: they are never the only work on the GPU); trans and window need V = K;
+# the window runs beside a main pass: one V block of 64 (its few chains hold as few SMs as they can)
+VARIANT_RULE = "BV <= V and (mode == 'out' or BV == 64) and (mode not in ('trans', 'window') or V == K)"
+WALK_GROUP = 16  # the window's chunk totals loaded this many at a time (a producer thread has few registers)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # The O staging's barriers are written out below, one named barrier per consumer warpgroup: TileLang's pass put
 # three 256-thread barriers around it each chunk, holding both warpgroups in lockstep (ncu: barrier stalls)
@@ -51,9 +59,11 @@ single_warp_producer("gdn_fwd_chain_kernel")
 
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
     dt = DTYPES[dtype]
-    output = mode == "out"
+    window = mode == "window"
+    output = mode in ("out", "window")
     cp = mode in ("state", "trans")  # CP pre-pass: the range from start[n, h] to cu_seqlens[n], no output
     trans = mode == "trans"
+    homogeneous = mode in ("trans", "window")  # V = 0 from S = I: the chain's transition
     # one warpgroup (BV = 64) leaves shared memory for a third stage: 2-5% faster chains (H200, TP8 1x32768 /
     # TP2 1x8192); with two (BV = 128) the third stage measured 1-3% slower
     stages = 3 if BV == 64 else 2
@@ -107,10 +117,14 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
         start: T.Tensor((N, Hv), "int32"),
         fallback: T.Tensor((N, Hv), "int32"),
         state_idx: T.Tensor((N,), "int32"),
+        gam_t: T.Tensor((Hv, TC), "float32"),
+        bkk_max: T.Tensor((Hv, TC // C), "float32"),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
         state_mode: T.int32,
+        stop: T.int32,
+        decay_bound: T.float32,
     ):
         with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
             if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
@@ -143,6 +157,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             hk = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot
+            if window:
+                seq_end = T.alloc_var("int32")  # the sequence's end; the chain's (eos) may come before it
+                g_sum = T.alloc_var("float32")  # the walk's summed g, largest beta |k|^2, and chunks to the bound
+                bk_max = T.alloc_var("float32")
+                reach = T.alloc_var("int32")
+                tot = T.alloc_local((WALK_GROUP,), "float32")
+                big = T.alloc_local((WALK_GROUP,), "float32")
             if cp:  # compile time: the chain ends where segment n begins, chunk aligned
                 eos = cu_seqlens[n]
                 bos = start[n, h]
@@ -154,12 +175,34 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 bos = cu_seqlens[n]
                 eos = cu_seqlens[n + 1]
                 c0 = chunk_offsets[n]
+                if window:  # producer and consumers walk alike: both need the chain's chunk count
+                    seq_end = eos
+                    # the first `stop` chunks' totals, WALK_GROUP loads in flight at a time (the loop's extent is
+                    # the parameter's: warp specialisation copies this walk into the producer's code and the
+                    # consumers', which must agree on their loops)
+                    g_sum = 0.0
+                    bk_max = -1.0
+                    reach = 0
+                    for g0 in T.serial(T.ceildiv(stop, WALK_GROUP)):
+                        for u in T.unroll(WALK_GROUP):
+                            tot[u] = T.if_then_else(g0 * WALK_GROUP + u < stop,
+                                                    gam_t[h, (c0 + g0 * WALK_GROUP + u) * C + C - 1], 0.0)
+                            big[u] = T.if_then_else(g0 * WALK_GROUP + u < stop,
+                                                    bkk_max[h, c0 + g0 * WALK_GROUP + u], -1.0)
+                        for u in T.unroll(WALK_GROUP):
+                            if g0 * WALK_GROUP + u < stop:
+                                g_sum += tot[u]
+                                if reach == 0 and g_sum <= decay_bound:
+                                    reach = g0 * WALK_GROUP + u + 1
+                                bk_max = T.max(bk_max, big[u])
+                    if reach > 0 and bk_max <= 2.0:
+                        eos = T.min(bos + reach * C, seq_end)
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
             ct = T.get_thread_binding()  # in the consumer code, consumer threads count from 0 (warp specialisation)
             wg = ct // 128
-            if trans:  # S = I (V = K): S^T's rows are the block's columns of the identity
+            if homogeneous:  # S = I (V = K): S^T's rows are the block's columns of the identity
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
             elif use_h0 != 0:
@@ -179,7 +222,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 if output:  # compile time: only the output pass needs q, P, (Q S)^T and O
                     T.copy(q[t0:t0 + C, hk, :], q_s)
                 T.copy(k[t0:t0 + C, hk, :], k_s)
-                if not trans:
+                if not homogeneous:
                     T.copy(v[t0:t0 + C, h, v0:v0 + BV], v_s)
                 T.copy(agb[t0:t0 + C, h, :], agb_s)
                 if output:
@@ -199,7 +242,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     T.warpgroup_fence_operand(kst, num_regs=C // 2)
                 else:
                     T.gemm(st_b, k_s, kst, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if trans:  # V = 0: the homogeneous chain
+                if homogeneous:  # V = 0: the homogeneous chain
                     for d, i in T.Parallel(BV, C):
                         wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
                 else:
@@ -255,6 +298,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     T.gemm(vdt_b, k_s, st, policy=T.GemmWarpPolicy.FullRow)
             if output:
                 drain_turns(wg, T.ceildiv(eos - bos, C))
+            if window:  # past the chain's end, q carried back is below the bound: zeros
+                for c2 in T.serial(T.ceildiv(seq_end - eos, C)):
+                    for i, d in T.Parallel(C, BV):
+                        if eos + c2 * C + i < seq_end:
+                            o[eos + c2 * C + i, h, v0 + d] = T.cast(0.0, dt)
+                if bv == 0 and ct == 0:
+                    fallback[n, h] = T.if_then_else(eos == seq_end, 1, 0)
             if cp:  # the pre-pass's per-segment results: internal, [S, Hv, K, V]
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk * V + v0 + d] = st[d, kk]
