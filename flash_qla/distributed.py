@@ -37,8 +37,11 @@ The serial work after the main pass is that exchange and one in-place baddbmm a 
 queued, as a plain call returns with its kernels queued. The windows
 cut the chain where the transition of a window is negligible: dropping M h errs by at most ||M||_2 <= e^-10 ~ 4.5e-5
 of the state entering the window, below bf16 resolution; the same bound on rank r's head window bounds the part of
-h_in(r) that rank r hands on (dropped from Z). A window longer than SHORT_TOKENS (on CUDA: whose chains need more than
-a quarter of the SMs; a smaller one runs whole for every head) is first tried at SHORT_TOKENS per v-head: where the
+h_in(r) that rank r hands on (dropped from Z). A window run whole for every head (one that does not hold its whole
+sequence) stops each head's chain on the device where the gate of its leading chunks sums to <= -10 with every
+chunk's beta |k|^2 <= 2, q carried back being zero past the stop: only the heads that run it all hold an SM for the
+whole window, and only their bound is measured. A window longer than SHORT_TOKENS (on CUDA: whose chains need more
+than a quarter of the SMs; a smaller one runs whole for every head) is first tried at SHORT_TOKENS per v-head: where the
 gate sums to <= -10 over it with every factor non-expansive (g <= 0, 0 <= beta |k|^2 <= 2) the bound holds by the gate
 (the heads of real models, whose gates decay; one host read of the side stream decides, while the main pass runs); the
 other heads (g = 0 heads, slow gates) run the full window and their bound is measured, the Frobenius norm of their
