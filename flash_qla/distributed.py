@@ -338,8 +338,9 @@ def _window_build(call: _Call, q: torch.Tensor) -> bool:
 
 
 def _stopped_window(call: _Call, q, k, zeros, g, beta, w: int):
-    """((o, final), whole) of the kernels' window build over tokens [0, w) of every head."""
-    from .forward import forward, forward_plan
+    """((o, final), whole) of the kernels' window build over tokens [0, w) of every head (a recorded plan, replayed
+    from the second call on)."""
+    from .forward import forward_plan
     from .launch import DTYPE_TAG
     H, dev = zeros.shape[2], q.device
     made = call.kept.get(("stopped window", w, H))
@@ -349,10 +350,10 @@ def _stopped_window(call: _Call, q, k, zeros, g, beta, w: int):
         plan = forward_plan(problem, DTYPE_TAG[q.dtype], dev, call.l2norm, True, allow_cp=False)
         made = call.kept[("stopped window", w, H)] = (problem, plan._replace(path="split", block_v=64))
     problem, plan = made
-    flags = torch.empty(1, H, dtype=torch.int32, device=dev)
-    o, final, _, _ = forward(problem, q, k, zeros, g if g.dtype == torch.float32 else g.float(), beta, None, True,
-                             None, call.l2norm, plan=plan, window=(w // 64, flags))
-    return (o, final), flags[0] != 0
+    from .kernel_api import run_window
+    o, final, whole = run_window(problem, q, k, zeros, g if g.dtype == torch.float32 else g.float(), beta, call.l2norm,
+                                 plan, w // 64)
+    return (o, final), whole
 
 
 def _window_stops(call: _Call, k, g, beta, w: int) -> Tuple[torch.Tensor, torch.Tensor]:

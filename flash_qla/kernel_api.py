@@ -82,6 +82,27 @@ def _record_forward(problem: Problem, inputs: tuple, dev: torch.device, output_f
     return (o, A, ht), _finish_forward
 
 
+def _finish_window(o, ht, flags):
+    return o, ht, flags[0] != 0
+
+
+def run_window(problem: Problem, q, k, v, g, beta, use_qk_l2norm: bool, plan: ForwardPlan, walk: int):
+    """Multi-GPU CP's head window build (forward.forward's ``window``) over each sequence of a validated problem with
+    V = K (v is not read): (o, final states, whole [Hv] bool: the heads that ran the whole first sequence), recorded
+    once per signature and replayed like the plain forward. ``plan``: a split plan of one 64-column block."""
+    dev = q.device
+    inputs = _forward_inputs(problem, q, k, v, g, beta, None, None)
+    key = forward_key(problem, dev, q.dtype, False, True, use_qk_l2norm) + ("window", tuple(plan[:4]), walk)
+
+    def record():
+        flags = empty(problem.num_seqs, problem.num_v_heads, device=dev, dtype=torch.int32, output="flags")
+        o, ht, _, _ = forward(problem, *inputs[:5], None, True, inputs[6], use_qk_l2norm, plan=plan,
+                              window=(walk, flags))
+        return (o, ht, flags), _finish_window
+
+    return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
+
+
 def run_forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_state: bool, cu_seqlens,
                 use_qk_l2norm: bool, want_gate_free_inverse: bool = False):
     """(o [B, T, Hv, V], final state [N, Hv, K, V] fp32 or an empty tensor, A [B, T, Hv, 64] or None, cu int32)."""
