@@ -30,6 +30,12 @@ LOG="$OUT/gpu_validate.log"
   compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py plan \
     > "$OUT/racecheck_plan.log" 2>&1
   grep -E "RACECHECK SUMMARY" "$OUT/racecheck_plan.log"
+  echo "== compute-sanitizer on multi-GPU CP's head window build"
+  compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py window > "$OUT/memcheck_window.log" 2>&1
+  grep -E "ERROR SUMMARY" "$OUT/memcheck_window.log"
+  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py \
+    window > "$OUT/racecheck_window.log" 2>&1
+  grep -E "RACECHECK SUMMARY" "$OUT/racecheck_window.log"
   echo "== backward graph replays under a watchdog"
   timeout 300 python3 scripts/stress_backward.py "hk" 1000 60 > "$OUT/stress_backward.log" 2>&1
   echo "stress exit $?"; cat "$OUT/stress_backward.log" | tail -8

@@ -7,6 +7,8 @@ usage: python scripts/sanitize_case.py          a varlen forward + backward over
                                                 that can be read hazard by hazard
        python scripts/sanitize_case.py plan     the intra-card CP forward and backward with more (segment, v-head)
                                                 pairs than one gdn_cp_plan CTA walks (several of its CTAs)
+       python scripts/sanitize_case.py window   multi-GPU CP's head window build (gdn_fwd_chain "window"): heads
+                                                that stop early, heads that run it all
 """
 import sys
 
@@ -49,10 +51,28 @@ def plan() -> None:
     sys.exit(0)
 
 
+def window() -> None:
+    from flash_qla import distributed as cpd
+    torch.manual_seed(0)
+    w, hq, hv, K = 1024, 1, 4, 128
+    q = torch.nn.functional.normalize(torch.randn(1, w, hq, K, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, w, hq, K, device="cuda"), dim=-1).bfloat16()
+    g = -torch.tensor([0.0, 0.01, 0.3, 4.0], device="cuda") * torch.rand(1, w, hv, device="cuda")
+    beta = torch.rand(1, w, hv, device="cuda")
+    zeros = torch.zeros(1, w, hv, K, device="cuda", dtype=torch.bfloat16)
+    call = cpd._Call(K ** -0.5, False, "auto", torch.float32, hv // hq)
+    (o, final), whole = cpd._stopped_window(call, q, k, zeros, g, beta, w)
+    torch.cuda.synchronize()
+    print("window case ok", float(o.float().abs().sum()), float(final.abs().sum()), whole.tolist())
+    sys.exit(0)
+
+
 if sys.argv[1:] == ["tiny"]:
     tiny()
 elif sys.argv[1:] == ["plan"]:
     plan()
+elif sys.argv[1:] == ["window"]:
+    window()
 elif sys.argv[1:]:
     sys.exit(__doc__)
 
