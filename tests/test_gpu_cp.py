@@ -173,8 +173,9 @@ def test_window_build_stops_like_the_reference(variant, w, l2norm):
     assert torch.equal(o[0][~rows], torch.zeros_like(o[0][~rows]))
     for h in range(hv):
         n = int(stop[h])
-        assert reference.relative_l2(o[0, :n, h], o_ref[0, :n, h]) <= TOL, h
-        if bool(whole[h]):
-            assert reference.relative_l2(final[0, h], m_ref[0, h]) <= TOL, h
+        assert reference.relative_l2(o[0, :n, h], o_ref[0, :n, h]) <= TOL[dtype], h
+        if bool(whole[h]):    # a long window's transition contracts toward 0: its error is measured at the scale
+            scale = max(float(m_ref[0, h].norm()), K ** 0.5)          # of the identity it starts from, |I| = sqrt(K)
+            assert float((final[0, h].double() - m_ref[0, h]).norm()) <= TOL[dtype] * scale, h
     (o2, final2), whole2 = cpd._stopped_window(call, q, k, zeros, g, beta, w)      # repeats bit-identical
     assert torch.equal(o2, o) and torch.equal(final2, final) and torch.equal(whole2, whole)
