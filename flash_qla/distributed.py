@@ -321,7 +321,8 @@ def _head_piece(call: _Call, x, idx, w: int, skip: int, stops: bool = False) -> 
         STATS["stopped_windows"] += 1
     with torch.no_grad():
         if stops and _window_build(call, lq):
-            return _Piece(idx, w, skip, *_stopped_window(call, lq, lk, zeros, lg, lb, w))
+            out, whole = _stopped_window(call, lq, lk, zeros, lg, lb, w)
+            return _Piece(idx, w, skip, out, whole=whole)
         out = call.run_kept(("window", w, H), lq, lk, zeros, lg, lb, _eye(K, H, call.state_dtype, dev), auto_cp=False)
         if not stops:
             return _Piece(idx, w, skip, out)

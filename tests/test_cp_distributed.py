@@ -242,3 +242,22 @@ def test_four_ranks_against_fp64_loop(tmp_path):
     _spawn(4, {"spanning_four_default", "spanning_four_exact", "one_sequence_probe",
                "boundaries_between_sequences", "transit_windows_16", "transit_windows_32", "transit_windows_64",
                "stopped_windows"}, tmp_path)
+
+
+def test_stopped_piece_from_the_kernel_branch(monkeypatch):
+    """_head_piece's kernel branch (the window build, stood in for by the reference branch's result) makes the same
+    piece as the reference branch: the same o, transition and whole heads, and no correction yet."""
+    x, _, _ = make_inputs(256, 2, 4, 16, 16, 1, 7, [0.0, 4.0, 0.01, 16.0])
+    x = tuple(x[n].float() for n in ("q", "k", "v", "g", "beta"))
+    call = cpd._Call(16 ** -0.5, False, "reference", torch.float32, 2)
+    ref = cpd._head_piece(call, x, None, 256, 0, stops=True)
+
+    def window_build(call, q, k, zeros, g, beta, w):
+        return (ref.out[0].clone(), ref.out[1].clone()), ref.whole.clone()
+
+    monkeypatch.setattr(cpd, "_stopped_window", window_build)
+    monkeypatch.setattr(cpd, "_window_build", lambda call, q: True)
+    piece = cpd._head_piece(call, x, None, 256, 0, stops=True)
+    assert piece.corr is None and torch.equal(piece.whole, ref.whole)
+    assert torch.equal(piece.out[0], ref.out[0]) and torch.equal(piece.out[1], ref.out[1])
+    assert ref.whole.tolist() == [True, False, True, False]
