@@ -6,14 +6,16 @@ NCCL), forward and backward, ours (flash_qla.distributed; the plain single-GPU c
 usage: python3 scripts/cp_bench.py --lib ours|fla --out-dir DIR [--worlds 1,2,4] [--tokens 131072,524288,1048576]
                                    [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10] [--commit SHA]
                                    [--profile [--trace FILE]]
-Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms, exact_fallbacks]} to
-DIR/<card>.jsonl. ms: the median over iterations of the slowest rank's wall time of one call (synchronised before and
-after, so the host synchronisations inside the call count). local_ms (ours, world size > 1): the same for the plain
-single-GPU call on the rank's shard alone (an entering state in, the final state out), the floor CP's windows and
-exchange add to; exact_fallbacks: how many of the row's timed CP calls found a window too short and ran their
-boundaries exactly (0 where the times are the windowed path's). Inputs as the project's benchmark
-draws them (flash_qla.bench.inputs): unit q / k in bf16, g = logsigmoid(randn) / 16 with a quarter of the v-heads at
-g = 0, beta = sigmoid(randn); each rank draws its own shard.
+Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms, rank_ms, rank_local_ms,
+exact_fallbacks]} to DIR/<card>.jsonl. ms: the median over iterations of the slowest rank's wall time of one call
+(synchronised before and after, so the host synchronisations inside the call count). local_ms (ours, world size >
+1): the same for the plain single-GPU call on the rank's shard alone (an entering state in, the final state out),
+the floor CP's windows and exchange add to; rank_ms / rank_local_ms (world size > 1): each rank's own median of the
+same timed calls, by rank (the chain of ranks and the spread of the GPUs: a rank's state arrives when the previous
+rank's main pass ends); exact_fallbacks: how many of the row's timed CP calls found a window too short and ran their
+boundaries exactly (0 where the times are the windowed path's). Inputs as the project's benchmark draws them
+(flash_qla.bench.inputs): unit q / k in bf16, g = logsigmoid(randn) / 16 with a quarter of the v-heads at g = 0,
+beta = sigmoid(randn); each rank draws its own shard.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def sync_all(device):
 
 
 def timed(fn, device, warmup, iters, setup=None):
-    """Median over iterations of the slowest rank's wall time of fn(setup())."""
+    """(median over iterations of the slowest rank's wall time of fn(setup()), each rank's own median), in ms."""
     times = []
     for i in range(warmup + iters):
         arg = setup() if setup else None
@@ -77,8 +79,11 @@ def timed(fn, device, warmup, iters, setup=None):
         sync(device)
         times.append(time.perf_counter() - t0)
     t = torch.tensor(times[warmup:], device=device, dtype=torch.float64)
+    ranks = torch.zeros(dist.get_world_size(), device=device, dtype=torch.float64)
+    ranks[dist.get_rank()] = statistics.median(t.tolist())
+    dist.all_reduce(ranks)                      # each rank's own median, by rank
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist()) * 1e3
+    return statistics.median(t.tolist()) * 1e3, [round(x * 1e3, 4) for x in ranks.tolist()]
 
 
 def ours_calls(world, cu, rank):
@@ -137,18 +142,24 @@ def worker(rank, world, args, init_file, out_path):
                     if pass_ == "fwd":
                         x, _ = shard(P, hq, hv, rank, device, False)
                         with torch.no_grad():
-                            row["ms"] = timed(call, device, args.warmup, args.iters, lambda: x)
+                            row["ms"], ranks = timed(call, device, args.warmup, args.iters, lambda: x)
                             if local is not None:
-                                row["local_ms"] = timed(local, device, args.warmup, args.iters, lambda: x)
+                                row["local_ms"], local_ranks = timed(local, device, args.warmup, args.iters,
+                                                                     lambda: x)
                     else:
                         x, do = shard(P, hq, hv, rank, device, True)
 
                         def fwd_for(fn):
                             return lambda: fn(x)
                         bwd = lambda o: torch.autograd.backward([o], [do])
-                        row["ms"] = timed(bwd, device, 2, max(3, args.iters // 2), fwd_for(call))
+                        row["ms"], ranks = timed(bwd, device, 2, max(3, args.iters // 2), fwd_for(call))
                         if local is not None:
-                            row["local_ms"] = timed(bwd, device, 2, max(3, args.iters // 2), fwd_for(local))
+                            row["local_ms"], local_ranks = timed(bwd, device, 2, max(3, args.iters // 2),
+                                                                 fwd_for(local))
+                    if world > 1:
+                        row["rank_ms"] = ranks
+                        if local is not None:
+                            row["rank_local_ms"] = local_ranks
                 except Exception as e:  # recorded, not hidden: an OOM at world size 1, FLA's Triton check
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                     row["ms"] = None
