@@ -360,7 +360,8 @@ def _stopped_window(call: _Call, q, k, zeros, g, beta, w: int):
 def _window_stops(call: _Call, k, g, beta, w: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The reference form of the window build's stops, per v-head ([H] token counts, [H] bool whole): the fewest
     leading 64-token chunks whose g sums to <= WARMUP_LOG_DECAY, where every chunk of the window has
-    beta |k|^2 <= 2; else the whole window."""
+    beta |k|^2 <= 2; else the whole window. whole: the heads that ran all w tokens, as the kernel flags them (a
+    head whose bound is reached only in the last chunk counts, and its transition is measured)."""
     H = g.shape[2]
     chunks = w // 64
     tot = g[0].float().view(chunks, 64, H).sum(1).cumsum(0)                         # [chunks, H]
@@ -373,7 +374,7 @@ def _window_stops(call: _Call, k, g, beta, w: int) -> Tuple[torch.Tensor, torch.
     ok = reached.any(0) & (bkk <= 2.0)
     first = reached.int().argmax(0) + 1
     stop = torch.where(ok, first * 64, torch.full_like(first, w))
-    return stop, ~ok
+    return stop, stop == w
 
 
 def _too_large(m: torch.Tensor) -> torch.Tensor:

@@ -261,3 +261,28 @@ def test_stopped_piece_from_the_kernel_branch(monkeypatch):
     assert piece.corr is None and torch.equal(piece.whole, ref.whole)
     assert torch.equal(piece.out[0], ref.out[0]) and torch.equal(piece.out[1], ref.out[1])
     assert ref.whole.tolist() == [True, False, True, False]
+
+
+def test_window_stops_reference():
+    """distributed._window_stops (the window build's stops, reference form): the fewest leading chunks whose gate
+    reaches the bound where every chunk is non-expansive, else the whole window; whole = ran all w tokens, as the
+    kernel flags it (a head reaching the bound only in its last chunk included)."""
+    w, H, K = 256, 5, 8
+    g = torch.zeros(1, w, H)
+    g[0, :, 1] = -6.0 / 64                       # -6 a chunk: the bound (-10) in chunk 2
+    g[0, :, 2] = -10.0 / w * 1.001               # the bound reached in the last chunk only
+    g[0, :, 3] = -1.0                            # the bound in chunk 1, but a key voids it (below)
+    g[0, :, 4] = -0.01                           # never reaches it: -2.56 over the window
+    beta = torch.full((1, w, H), 0.5)
+    k = torch.nn.functional.normalize(torch.randn(1, w, 1, K), dim=-1)
+    k[0, 200, 0] *= 2.5                          # beta |k|^2 = 3.1 > 2 at token 200 (every head shares the key)
+    call = cpd._Call(K ** -0.5, False, "reference", torch.float32, H)
+    stop, whole = cpd._window_stops(call, k, g, beta, w)
+    assert stop.tolist() == [w] * 5 and whole.all()             # token 200's key voids every head's bound
+    k[0, 200, 0] /= 2.5
+    stop, whole = cpd._window_stops(call, k, g, beta, w)
+    assert stop.tolist() == [w, 128, w, 64, w], stop
+    assert whole.tolist() == [True, False, True, False, True]
+    l2 = cpd._Call(K ** -0.5, True, "reference", torch.float32, H)  # with l2norm |k| = 1 whatever k holds
+    k[0, 200, 0] *= 2.5
+    assert torch.equal(cpd._window_stops(l2, k, g, beta, w)[0], stop)
