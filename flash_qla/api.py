@@ -105,7 +105,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
              and inplace_update is False and state_v_first is False
              and use_gate_in_kernel is False and use_beta_sigmoid_in_kernel is False
              and chunk_indices is None and head_first is False and allow_neg_eigval is False
-             and (auto_cp is True or auto_cp is False) and enable_fwd_cp_cache is True and force_intra_cp is False
+             and type(auto_cp) is bool and enable_fwd_cp_cache is True and force_intra_cp is False
              and type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
              and (backend == "auto" or backend == "kernels"))
     if plain and cp_context is not None:

@@ -288,8 +288,8 @@ class _Piece:
     whole: Optional[torch.Tensor] = None  # [H] bool
 
     def miss(self) -> torch.Tensor:
-        """Whether some head's window missed the bound (0-d bool): its measured transition is too large (a head that
-        stopped early is bounded by its gate)."""
+        """Whether some head's window missed the bound (0-d bool): its measured transition [H, K, K] has a Frobenius
+        norm (>= its spectral norm) above it (a head that stopped early is bounded by its gate)."""
         large = torch.linalg.matrix_norm(self.m) > TRANSITION_NORM_BOUND
         return (large if self.whole is None else large & self.whole).any()
 
@@ -375,11 +375,6 @@ def _window_stops(call: _Call, k, g, beta, w: int) -> Tuple[torch.Tensor, torch.
     first = reached.int().argmax(0) + 1
     stop = torch.where(ok, first * 64, torch.full_like(first, w))
     return stop, stop == w
-
-
-def _too_large(m: torch.Tensor) -> torch.Tensor:
-    """Some head's transition [H, K, K] has Frobenius norm (>= its spectral norm) above the bound (0-d bool)."""
-    return (torch.linalg.matrix_norm(m) > TRANSITION_NORM_BOUND).any()
 
 
 def _gate_bounded(call: _Call, x, lo: int, hi: int) -> torch.Tensor:
@@ -563,7 +558,7 @@ def _head_windows(call: _Call, lay: _Layout, x) -> Tuple[List[_Piece], torch.Ten
                 pieces.append(_head_piece(call, x, None, SHORT_TOKENS, 0))
                 if long_head[0]:
                     pieces.append(_head_piece(call, x, long_head[1], lay.head, SHORT_TOKENS))
-                    misses.append(_too_large(pieces[-1].m))
+                    misses.append(pieces[-1].miss())
             else:
                 pieces.append(_head_piece(call, x, None, lay.head, 0, stops=WINDOW_STOPS and not lay.head_covers))
                 if not lay.head_covers:
