@@ -3,8 +3,9 @@
 # tests, compute-sanitizer memcheck + racecheck on a small varlen case (scripts/sanitize_case.py), graph
 # replays of every backward row under a watchdog (scripts/stress_backward.py), and the host cost of a call.
 # usage: bash scripts/gpu_validate.sh OUT_DIR   (expects flash_qla/_launcher*.so built or carried)
-# OUT_DIR gets gpu_validate.log (the summary), gpu_tests.log, memcheck.log, racecheck.log (and *_plan.log: the
-# CP tables' kernel over several CTAs), stress_backward.log and host_overhead.json: the files a card's folder under bench/results keeps.
+# OUT_DIR gets gpu_validate.log (the summary), gpu_tests.log, memcheck.log, racecheck.log (and *_plan.log, *_window.log:
+# sanitize_case.py's plan and window cases), stress_backward.log and host_overhead.json: the files a card's folder
+# under bench/results keeps.
 set -uo pipefail
 OUT=${1:?output dir}
 mkdir -p "$OUT"
@@ -24,18 +25,16 @@ LOG="$OUT/gpu_validate.log"
   echo "== compute-sanitizer racecheck"
   compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py > "$OUT/racecheck.log" 2>&1
   grep -E "RACECHECK SUMMARY|sanitize case" "$OUT/racecheck.log"
-  echo "== compute-sanitizer on the CP tables' kernel with several CTAs"
-  compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py plan > "$OUT/memcheck_plan.log" 2>&1
-  grep -E "ERROR SUMMARY" "$OUT/memcheck_plan.log"
-  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py plan \
-    > "$OUT/racecheck_plan.log" 2>&1
-  grep -E "RACECHECK SUMMARY" "$OUT/racecheck_plan.log"
-  echo "== compute-sanitizer on multi-GPU CP's head window build"
-  compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py window > "$OUT/memcheck_window.log" 2>&1
-  grep -E "ERROR SUMMARY" "$OUT/memcheck_window.log"
-  compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py \
-    window > "$OUT/racecheck_window.log" 2>&1
-  grep -E "RACECHECK SUMMARY" "$OUT/racecheck_window.log"
+  # the CP tables' kernel over several CTAs (plan) and multi-GPU CP's head window build (window)
+  for case in plan window; do
+    echo "== compute-sanitizer: sanitize_case.py $case"
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py "$case" \
+      > "$OUT/memcheck_$case.log" 2>&1
+    grep -E "ERROR SUMMARY" "$OUT/memcheck_$case.log"
+    compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 \
+      python3 scripts/sanitize_case.py "$case" > "$OUT/racecheck_$case.log" 2>&1
+    grep -E "RACECHECK SUMMARY" "$OUT/racecheck_$case.log"
+  done
   echo "== backward graph replays under a watchdog"
   timeout 300 python3 scripts/stress_backward.py "hk" 1000 60 > "$OUT/stress_backward.log" 2>&1
   echo "stress exit $?"; cat "$OUT/stress_backward.log" | tail -8
