@@ -164,6 +164,34 @@ def warmup_tables(seg: Segments, gam_t: torch.Tensor, bkk_max: torch.Tensor):
     return start.contiguous(), fallback.int().contiguous()
 
 
+def trailing_row(seg: Segments, num_seqs: int, start: torch.Tensor, fallback: torch.Tensor, gam_t: torch.Tensor,
+                 bkk_max: torch.Tensor) -> torch.Tensor:
+    """Extend the last sequence by one empty segment (the padding row after its last segment), in place: its warm-up
+    (start, fallback) over the last segment's chunks as warmup_tables gives any segment's, and seg.base[N] past it,
+    so the pre-pass and gdn_cp_combine give that row's h_in = the state LEAVING the last sequence, before the output
+    chain runs (multi-GPU CP sends it on from there). Needs a padding row and a last sequence of whole chunks (the
+    pre-pass chains end on a chunk boundary): the caller checks both. On the device, no host read; returns the
+    row's index ([1] int64)."""
+    L, Hv = seg.L, gam_t.shape[0]
+    row = seg.base[num_seqs:].long()                                          # [1]: the first padding row
+    slot = seg.slot.long()
+    chunks = slot[row] - slot[row - 1]                                        # the last segment's, <= L
+    j = torch.arange(L, device=gam_t.device)
+    inside = j < chunks
+    idx = (slot[row] - 1 - j).clamp(min=0)                                    # its chunks, last first
+    totals = gam_t.view(Hv, -1, CHUNK)[:, idx, CHUNK - 1]                     # [Hv, L]
+    suffix = torch.where(inside, totals, 0.0).cumsum(-1)
+    hit = (suffix <= WARMUP_LOG_DECAY) & inside
+    decays = hit.any(-1)
+    expands = torch.where(inside, bkk_max[:, idx], -1.0).amax(-1) > 2.0
+    back = ~decays | expands
+    w = torch.where(back, chunks, hit.int().argmax(-1) + 1)                   # [Hv] chunks before the end
+    start.index_copy_(0, row, (seg.cu.long()[row] - w * CHUNK).int()[None])
+    fallback.index_copy_(0, row, back.int()[None])
+    seg.base[num_seqs:] += 1
+    return row
+
+
 def reverse_warmup_tables(seg: Segments, cu: torch.Tensor, gam_t: torch.Tensor, bkk_max: torch.Tensor):
     """(end [S, Hv] int32, fallback [S, Hv] int32) for the backward: segment s's reverse warm-up is the token range
     [seg.cu[s + 1], end[s, h]) at the start of segment s + 1 (empty for a sequence's last segment and padding),

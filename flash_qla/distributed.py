@@ -50,6 +50,17 @@ gates and normalised keys make them (not read: checking would mean reading the w
 window on some rank missed the bound (the gathered flags), every rank runs the call again
 with its head window over the whole first sequence, transitions chained, which is also what ``warmup_tokens=0`` does
 from the start.
+Forward without gradients (inference, prefill) where every rank's shard plans intra-card CP (flash_qla/cp.py) and
+every sequence handed on ends its shard on a whole chunk: the linked forward instead (_linked_forward), exact with no
+window and no host read. Intra-card CP's combine makes each segment's entering state h_in[s] = A[s] + B[s] h_e,
+affine in the state h_e entering local sequence 0: A is the combine from a zero h_e, B the same combine from the
+identity with zero warm-up states (beside A's, on a side stream). gdn_cp_plan's trailing segment (an empty one at the
+end of the last local sequence) makes its row of A and B the leaving state and its dependence on h_e; one all-gather
+of every rank's (A, B) rows, after the combine and before the output chain, gives each rank its h_e (folded through
+the B of the ranks inside one sequence) and it adds B h_e to its first sequence's rows. The output chain then writes
+o and the final states from the exact entering states: no rank waits for another's output pass, at the price of
+one synchronisation of the ranks in the middle of the call. The first part is one recorded plan (replayed like a
+plain call); the host work between the parts runs while the GPU runs it.
 Backward, the reverse direction: the gradient of the state entering rank r is D = sum_t Q_t do_t^T over its head
 window (+ M^T of the final state's gradient where the head window holds the whole sequence), one bmm of the saved Q;
 D goes to the previous rank point to point (with carry_m, one all-gather of D, folded from the end of the last
@@ -78,8 +89,9 @@ TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # the head window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
 SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
 WINDOW_STOPS = True               # a whole head window's chains stop where each head's gate bounds the rest
-STATS = collections.Counter()     # linked forward calls, those that had to run their boundaries exactly, windows split
-                                  # by the gate and the heads that kept the full length there, windows run with stops
+STATS = collections.Counter()     # linked forward calls, those through the linked combine, those that had to run their
+                                  # boundaries exactly, windows split by the gate and the heads that kept the full
+                                  # length there, windows run with stops
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class CPContext:
     post_all: Tuple[int, ...]
     nseq_all: Tuple[int, ...]
     warmup_tokens: int = WARMUP_TOKENS
+    lengths_all: Tuple[Tuple[int, ...], ...] = ()    # every rank's local sequence lengths (the linked combine's plan)
 
     @property
     def num_seqs(self) -> int:
@@ -182,7 +195,8 @@ def build_cp_context(cu_seqlens_global: torch.Tensor, group=None, warmup_tokens:
                      cu_seqlens=local_cpu.to(device=cu_seqlens_global.device, dtype=torch.int32),
                      cu_seqlens_cpu=local_cpu, seq_ids=seq_ids, pre_num_ranks=pre, post_num_ranks=post,
                      pre_all=tuple(m[2] for m in metas), post_all=tuple(m[3] for m in metas),
-                     nseq_all=tuple(len(m[1]) for m in metas), warmup_tokens=warmup_tokens)
+                     nseq_all=tuple(len(m[1]) for m in metas), warmup_tokens=warmup_tokens,
+                     lengths_all=tuple(tuple(b - a for a, b in zip(m[0], m[0][1:])) for m in metas))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -500,7 +514,26 @@ def _pass_on(ctx: "CPContext", send: Optional[torch.Tensor], shape: tuple, dtype
 
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
-_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_PUBLIC_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gather_single(out: torch.Tensor, payload: torch.Tensor, group=None) -> None:
+    """The public all-gather into one tensor, made straight on the process group for CUDA tensors: the public
+    function's Python checks and wrappers cost tens of microseconds of host time, on the linked forward's critical
+    path (its exchange must be queued before the GPU finishes the first part)."""
+    if payload.is_cuda and _GATHER_OPTIONS is not None:
+        pg = group if group is not None else dist.group.WORLD
+        direct = getattr(pg, "all_gather_single", None) or getattr(pg, "_allgather_base", None)
+        if direct is not None:
+            work = direct(out, payload, _GATHER_OPTIONS())
+            if work is not None:
+                work.wait()                 # the current stream waits; the host does not
+            return
+    _PUBLIC_GATHER(out, payload, group=group)
+
+
+_GATHER_OPTIONS = getattr(dist, "AllgatherOptions", None) or getattr(dist.distributed_c10d, "AllgatherOptions", None)
+_GATHER_SINGLE = _gather_single
 
 
 def _entering_state(ctx: "CPContext", Cs, Ms) -> torch.Tensor:
@@ -608,6 +641,111 @@ def _range(name: str):
     """A profiler range where a profiler records (torch.profiler.record_function costs microseconds of host time
     even when none does, and the host time before the main pass is the call's floor)."""
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the linked combine: a forward without gradients whose every rank plans intra-card CP
+
+@dataclass(frozen=True)
+class _LinkLayout:
+    """This rank's linked forward, fixed per call signature."""
+    plan: object              # the shard's forward plan (intra-card CP)
+    first: int                # segments of local sequence 0 (rows of h_in that B h_e reaches)
+    trailing: Optional[int]   # the trailing segment's row (the state leaving the last sequence), or None
+    carry: bool               # B travels: some rank lies inside one sequence
+    link: object              # forward.Link (its eye: I for local sequence 0 where it continues from another rank)
+    zeros: torch.Tensor       # a payload's worth of zeros (a rank that hands nothing on, B where it holds none)
+
+
+def _link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Optional[_LinkLayout]:
+    """This rank's linked forward, or None where the group takes the windowed path. Every rank's shard must plan
+    intra-card CP (its combine is where the entering state goes in) and every rank that hands a sequence on must end
+    it on a whole chunk (gdn_cp_plan's trailing segment). Decided from what every rank knows alike (the context's
+    lengths, the planner), so the ranks take one path and make the same collectives; kept per call (a _Call serves
+    one signature: shapes, dtypes, devices)."""
+    if "link" not in call.layouts:
+        call.layouts["link"] = _find_link_layout(call, ctx, x, initial_state)
+    return call.layouts["link"]
+
+
+def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Optional[_LinkLayout]:
+    from dataclasses import replace
+    from .api import select_backend
+    from .forward import Link, forward_plan
+    from .launch import DTYPE_TAG, supported_head_dims
+    from .validation import validate_kernel_inputs
+    q = x[0]
+    if not (q.is_cuda and ctx.lengths_all and q.dtype in DTYPE_TAG
+            and select_backend(q.device, call.backend) == "kernels"):
+        return None
+    if any(post > 0 and n[-1] % 64 for n, post in zip(ctx.lengths_all, ctx.post_all)):
+        return None
+    try:                                # inputs the kernels refuse: the windowed path raises the error
+        validate_kernel_inputs(call.problem, q, x[3], x[4], initial_state, supported_head_dims())
+    except (TypeError, ValueError):
+        return None
+    plans = [forward_plan(replace(call.problem, num_seqs=len(n), varlen=len(n) > 1), DTYPE_TAG[q.dtype], q.device,
+                          call.l2norm, False) for n in ctx.lengths_all]
+    if not all(p.segment_chunks is not None for p in plans):
+        return None
+    plan = plans[ctx.rank]
+    L, lengths = plan.segment_chunks, ctx.lengths_all[ctx.rank]
+    segments = [-(-(-(-n // 64)) // L) for n in lengths]
+    trailing = ctx.post_num_ranks > 0
+    p, N, dev = call.problem, len(lengths), q.device
+    Hv, K, V = p.num_v_heads, p.head_dim_k, p.head_dim_v
+    eye = None
+    if ctx.pre_num_ranks > 0:
+        eye = torch.cat([torch.eye(K, device=dev).expand(1, Hv, K, K), torch.zeros(N - 1, Hv, K, K, device=dev)])
+    carry = any(ctx.transit(r) for r in range(ctx.world_size))
+    return _LinkLayout(plan=plan, first=segments[0], trailing=sum(segments) if trailing else None, carry=carry,
+                       link=Link(trailing, eye), zeros=torch.zeros(Hv * K * (V + (K if carry else 0)), device=dev))
+
+
+def _linked_forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, lay: _LinkLayout):
+    """(o, final state or None) through the linked forward. Its first part (one recorded plan: everything up to
+    intra-card CP's combine, a sequence continued from an earlier rank entering with zero state) leaves
+    h_in[s] = A[s] + B[s] h_e, affine in the state h_e entering local sequence 0 (forward.Link). The trailing
+    segment's A and B, the state leaving the last local sequence and its dependence on h_e, go to every rank in one
+    all-gather; each rank folds its h_e from the earlier ranks' (_entering_state), adds B h_e to its first
+    sequence's entering states, then runs the output chain from them. So o and the final states come out of that
+    chain exact, no rank waits for another's output pass, and the host work between the parts runs while the GPU
+    runs the first part."""
+    from . import kernel_api
+    from .forward import linked_output
+    dev = x[0].device
+    h_own = initial_state
+    if initial_state is not None and ctx.pre_num_ranks > 0:
+        with _Side(dev):                            # a read of the side stream: no wait for the caller's later work
+            if bool((initial_state[0] != 0).any()):
+                raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        h_own = initial_state.detach().clone()
+        h_own[0] = 0
+    STATS["linked"] += 1
+    problem = call.problem
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    n_c = Hv * K * V
+    with _range("cp.forward.linked"), torch.no_grad():
+        o, entry = kernel_api.run_linked_entry(problem, *x, h_own, ctx.cu_seqlens, call.l2norm, lay.plan, lay.link,
+                                               want_final)
+        h_in, b, t = entry.h_in, entry.b, lay.trailing
+        if t is None:
+            payload = lay.zeros
+        elif not lay.carry:
+            payload = h_in[t].view(-1)
+        else:
+            payload = torch.cat([h_in[t].view(-1), b[t].view(-1) if ctx.transit(ctx.rank) else lay.zeros[n_c:]])
+        rows = _all_gather(ctx, payload)
+        if b is not None:
+            h_e = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V),
+                                  rows[:, n_c:].view(-1, Hv, K, K) if lay.carry else None)
+            R = lay.first
+            h_in[:R].view(R * Hv, K, V).baddbmm_(b[:R].view(R * Hv, K, K),
+                                                 h_e.expand(R, Hv, K, V).reshape(R * Hv, K, V))
+        ht = linked_output(entry, dev)
+        if ht is not None:
+            ht = kernel_api.per_sequence(problem, ht, dev, "ht")
+    return o, ht
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -819,7 +957,8 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q, k [1, P, Hq, K]; v [1, P, Hv, V]; g, beta [1, P, Hv] (P = ctx.part_len); initial_state [N_local, Hv, K, V]
     or None. Returns (o [1, P, Hv, V], final_state [N_local, Hv, K, V] float32 or None), differentiable in every
-    input; every rank of the context's group must make the call (and its backward) together."""
+    input; every rank of the context's group must make the call (and its backward) together, with gradients on every
+    rank or on none (a call without them may take the linked forward, whose collectives differ)."""
     ctx = cp_context
     call = _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                          backend)
@@ -830,6 +969,9 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     STATS["calls"] += 1
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
         return _CP.apply(call, ctx, output_final_state, q, k, v, g, beta, initial_state)
+    lay = _link_layout(call, ctx, (q, k, v, g, beta), initial_state)
+    if lay is not None:
+        return _linked_forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state, lay)
     o, ht, _ = _forward(call, ctx, (q, k, v, g, beta), initial_state, output_final_state)
     return o, ht
 

@@ -20,8 +20,8 @@ import torch
 from . import cp
 from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
-from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks, current_stream,
-                     dense, empty, join, launch, num_sms, packed, side_stream)
+from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
+                     current_stream, dense, empty, join, launch, num_sms, packed, side_stream)
 from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v,
                       plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 from .states import PLAIN_IO, StateIO
@@ -119,7 +119,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             save_stream: Optional[torch.cuda.Stream] = None, gate_free_inverse: Optional[torch.Tensor] = None,
             g_is_cumsum: bool = False, after_cp_tables=None, state_io: StateIO = PLAIN_IO,
             plan: Optional[ForwardPlan] = None, gate: KernelGate = NO_GATE,
-            window: Optional[Tuple[int, torch.Tensor]] = None):
+            window: Optional[Tuple[int, torch.Tensor]] = None, link=None):
     """Returns (o [B,T,Hv,V], final_state [N,Hv,K,V] or an empty tensor, A [B,T,Hv,64] or None, (cu, offsets)).
 
     ``state_io`` (flash_qla/states.py): the caller's state layout and pool, which the kernels read and write in
@@ -141,7 +141,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     ``window`` = (walk, flags): multi-GPU CP's head window (flash_qla/distributed.py), the chain's "window" build on a
     split plan: from the identity with v unread (V = K), each (sequence, v-head) stopping where the gate of its
     first ``walk`` chunks bounds the rest (gdn_fwd_chain's docstring); flags [N, Hv] int32 receives 1 where a head
-    ran its whole sequence."""
+    ran its whole sequence.
+    ``link`` (Link): the first part of multi-GPU CP's linked forward (flash_qla/distributed.py) on an intra-card CP
+    plan: everything up to the combine, then a LinkedEntry in place of the final state (o is written by
+    linked_output, after the caller has added the entering state's part to h_in)."""
     dev = q.device
     dt = q.dtype
     T = problem.batch * problem.tokens
@@ -229,6 +232,12 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
         return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
 
+    if link is not None:
+        if saved is not None or L is None:
+            raise ValueError("internal: a linked forward runs on a forward's intra-card CP plan")
+        named = dict(q=qp, k=kp, v=vp, agb=agb, p=pqk, eg_t=tile(0), et_t=tile(1), seq_order=order, state_idx=cu)
+        return o, _linked_entry(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream, link,
+                                named), None, (cu, offsets)
     if saved is None and L is not None:
         ht = _cp_forward(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream)
     elif saved is None:
@@ -350,13 +359,14 @@ def native_state_io(problem: Problem, dtype: torch.dtype, device: torch.device, 
     return plan.segment_chunks is None
 
 
-def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False):
+def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = False, trail: bool = False):
     """Segments and warm-ups on the device in one launch (gdn_cp_plan; cp.segment_tables / cp.warmup_tables /
     cp.reverse_warmup_tables are its torch form): (Segments, start [S, Hv] int32, fallback [S, Hv] int32,
-    reverse) with reverse = (rend, rfallback) [S, Hv] int32 for the backward (bidi), else None."""
+    reverse) with reverse = (rend, rfallback) [S, Hv] int32 for the backward (bidi), else None. trail: the last
+    sequence ends with an empty segment whose h_in is the state leaving it (cp.trailing_row is the torch form)."""
     dev = t["device"]
     N, Hv, T = problem.num_seqs, problem.num_v_heads, problem.batch * problem.tokens
-    S = cp.max_segments(T, N, L)
+    S = cp.max_segments(T, N, L) + int(trail)
     i32 = dict(device=dev, dtype=torch.int32)
     seg = cp.Segments(L=L, count=S, cu=empty(S + 1, **i32), slot=empty(S + 1, **i32), base=empty(N + 1, **i32),
                       last=empty(N, **i32))
@@ -364,7 +374,7 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = 
     rend, rfallback = (empty(S, Hv, **i32), empty(S, Hv, **i32)) if bidi else (start, fallback)
     launch("gdn_cp_plan", {"tile": 256}, dev,
             {"N": N, "S": S, "Hv": Hv, "TC": TC, "L": L, "tokens": T, "decay_bound": cp.WARMUP_LOG_DECAY,
-             "bidi": int(bidi)},
+             "bidi": int(bidi), "trail": int(trail)},
             {"cu_seqlens": t["cu"].data_ptr(), "chunk_offsets": t["offsets"].data_ptr(),
              "gam_t": t["gam_t"].data_ptr(), "bkk_max": t["bkk_max"].data_ptr(), "seg_cu": seg.cu.data_ptr(),
              "seg_slot": seg.slot.data_ptr(), "seg_base": seg.base.data_ptr(), "seg_last": seg.last.data_ptr(),
@@ -374,24 +384,27 @@ def _cp_tables(problem: Problem, L: int, TC: int, t: dict, stream, bidi: bool = 
 
 
 def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, stream,
-                     bidi: bool = False, after_tables=None):
+                     bidi: bool = False, after_tables=None, link=None):
     """Intra-card CP (flash_qla/cp.py): the segment tables, the pre-pass (warm-up states and, for the heads whose
     decay does not bound the warm-up, exact transitions) and the combine. Returns (Segments, h_in
     [S, Hv, K, V] fp32, reverse), h_in[s] the state entering segment s, reverse the backward's warm-up tables
-    (bidi) or None."""
-    seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi)
+    (bidi) or None. link: forward()'s."""
+    seg, start, fallback, reverse = _cp_tables(problem, L, sizes["TC"], t, stream, bidi,
+                                               trail=link is not None and link.trailing)
     if after_tables is not None:
         after_tables(seg, reverse)
     pre = dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), start=start.data_ptr(),
                fallback=fallback.data_ptr())
+    beside = (lambda m: link.affine_part(problem, seg, m, fallback)) if link is not None else None
     h_in = cp_pre_pass_and_combine(CHAIN_KERNEL, problem, tag, seg, fallback, dict(sizes, use_h0=0, store_ht=1), pre,
-                                   "ht", t["h0"], False, stream, (start,))
+                                   "ht", t["h0"], False, stream, (start,), beside_combine=beside)
     return seg, h_in, reverse
 
 
 def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
                             pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
-                            keep=(), side_name: str = "side", before_combine=None) -> torch.Tensor:
+                            keep=(), side_name: str = "side", before_combine=None,
+                            beside_combine=None) -> torch.Tensor:
     """The CP pre-pass of a chain kernel (gdn_fwd_chain for the forward, gdn_bwd_dh for the backward: its "state"
     build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
     gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
@@ -399,7 +412,9 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     [S, Hv, K, V] fp32: the state entering each segment, or the gradient of the state leaving it. side_name: the
     transitions' stream (the backward's reverse pre-pass, running beside the recompute's, takes its own).
     before_combine: called right before the combine, the first launch that reads the boundary (which work it queues
-    on another stream may still write, the current stream waiting for it)."""
+    on another stream may still write, the current stream waiting for it). beside_combine(m): called there too, to
+    queue work that reads the transitions on another stream beside the combine; it returns the join of the current
+    stream on that work, made after the combine's launch (or None)."""
     dev = seg.cu.device
     Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
     # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
@@ -421,10 +436,13 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
         buf.record_stream(side)
     if before_combine is not None:
         before_combine()
+    joined = beside_combine(m) if beside_combine is not None else None
     launch("gdn_cp_combine", {"K": K, "V": V}, dev,
-            {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse)},
+            {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse), "zero_z": 0},
             {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
              "h0": (boundary if boundary is not None else out).data_ptr(), "h_in": out.data_ptr()}, stream)
+    if joined is not None:
+        joined()
     return out
 
 
@@ -446,6 +464,74 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
         return t["ht"]
     # a zero-length sequence keeps its initial state
     return SegmentStates(ht_seg, seg.last, seg.last, t["h0"], S)
+
+
+@dataclass
+class Link:
+    """forward()'s ``link``: the first part of multi-GPU CP's linked forward. trailing: the tables end the last
+    sequence with an empty segment, so h_in there is the state leaving it (gdn_cp_plan's trail). eye: where
+    sequence 0 continues from another rank, [N, Hv, K, K] fp32 (I for sequence 0, zeros after): h_in[s] = A[s] +
+    B[s] h_e is affine in the state h_e entering sequence 0 (A: the combine from a zero h_e), and B, the same combine
+    from the identity with zero warm-up states (gdn_cp_combine's zero_z), runs beside A's into ``b``."""
+    trailing: bool
+    eye: Optional[torch.Tensor] = None
+    b: Optional[torch.Tensor] = None    # [S, Hv, K, K] fp32, made by affine_part
+
+    def affine_part(self, problem: Problem, seg: "cp.Segments", m: torch.Tensor, fallback: torch.Tensor):
+        """B's combine on the "link" side stream, beside A's; returns the join of the current stream on it."""
+        if self.eye is None:
+            return None
+        dev, K, Hv = m.device, problem.head_dim_k, problem.num_v_heads
+        self.b = empty(seg.count, Hv, K, K, device=dev, dtype=torch.float32)
+        main, side = torch.cuda.current_stream(dev), side_stream(dev, "link")
+        join(side, main)
+        launch("gdn_cp_combine", {"K": K, "V": K}, dev,
+               {"Hv": Hv, "N": problem.num_seqs, "S": seg.count, "use_h0": 1, "reverse": 0, "zero_z": 1},
+               {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
+                "h0": self.eye.data_ptr(), "h_in": self.b.data_ptr()}, side.cuda_stream)
+        for buf in (m, fallback, seg.base, self.b):
+            buf.record_stream(side)
+        return lambda: join(main, side)
+
+
+@dataclass
+class LinkedEntry:
+    """A linked forward's first part's results: h_in [S, Hv, K, V] fp32 after the combine (sequence 0 entering
+    with zero state), B (or None), and what linked_output needs: the output chain's variant, sizes and pointers
+    (tensors, or addresses in a replay: plans.Address), the final states' tables."""
+    variant: dict
+    sizes: dict
+    pointers: dict
+    h_in: torch.Tensor
+    b: Optional[torch.Tensor]
+    last: object
+    boundary: object
+    count: int
+    store_ht: bool
+
+
+def _linked_entry(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
+                  stream, link: Link, named: dict) -> LinkedEntry:
+    dev = t["device"]
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream, link=link)
+    S = seg.count
+    ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
+    bv = _block_v(problem, tag, dev, chains_per_head=S)
+    variant = {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}
+    chain_sizes = dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0)
+    tensors = dict(named, h0=h_in, cu_seqlens=seg.cu, chunk_offsets=seg.slot, o=t["o"], ht=ht_seg)
+    return LinkedEntry(variant, chain_sizes, tensors, h_in, link.b, seg.last, t["h0"], S, output_final_state)
+
+
+def linked_output(entry: LinkedEntry, device: torch.device) -> Optional[SegmentStates]:
+    """The linked forward's second part: the output chain from entry.h_in (which the caller completed) into o.
+    Returns the final states as SegmentStates (addresses in a replay), or None."""
+    launch(CHAIN_KERNEL, entry.variant, device, entry.sizes, {k: address(t) for k, t in entry.pointers.items()},
+           current_stream(device))
+    if not entry.store_ht:
+        return None
+    return SegmentStates(entry.pointers["ht"], entry.last, entry.last, entry.boundary, entry.count)
 
 
 @dataclass

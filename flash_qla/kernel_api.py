@@ -15,9 +15,10 @@ import torch
 
 from . import plans
 from .backward import backward, gate_sums, native_v_first
-from .forward import SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, forward_plan, native_state_io
+from .forward import (Link, LinkedEntry, SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, forward_plan,
+                      native_state_io)
 from .gates import NO_GATE, KernelGate, head_vector
-from .launch import (DTYPE_TAG, PICK_KERNEL, current_stream, dense, empty, launch, packed, side_stream,
+from .launch import (DTYPE_TAG, PICK_KERNEL, address, current_stream, dense, empty, launch, packed, side_stream,
                      supported_head_dims)
 from .planner import ForwardPlan
 from .states import PLAIN_IO, StateIO
@@ -56,8 +57,8 @@ def per_sequence(problem: Problem, seg: SegmentStates, device: torch.device, out
     boundary = seg.boundary if seg.boundary is not None else out
     launch(PICK_KERNEL, {"K": K, "V": V}, device,
            {"Hv": Hv, "N": N, "S": seg.count, "use_boundary": int(seg.boundary is not None)},
-           {"states": seg.states.data_ptr(), "segment": seg.segment.data_ptr(), "last": seg.last.data_ptr(),
-            "boundary": boundary.data_ptr(), "out": out.data_ptr()})
+           {"states": address(seg.states), "segment": address(seg.segment), "last": address(seg.last),
+            "boundary": address(boundary), "out": out.data_ptr()})
     return out
 
 
@@ -99,6 +100,35 @@ def run_window(problem: Problem, q, k, v, g, beta, use_qk_l2norm: bool, plan: Fo
         o, ht, _, _ = forward(problem, *inputs[:5], None, True, inputs[6], use_qk_l2norm, plan=plan,
                               window=(walk, flags))
         return (o, ht, flags), _finish_window
+
+    return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
+
+
+def _finish_linked(keys, variant, sizes, count, store_ht, o, h_in, b, *rest):
+    n = len(keys)
+    return o, LinkedEntry(variant, sizes, dict(zip(keys, rest), h0=h_in), h_in, b, rest[n], rest[n + 1], count,
+                          store_ht)
+
+
+def run_linked_entry(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool,
+                     plan: ForwardPlan, link: Link, output_final_state: bool):
+    """Multi-GPU CP's linked forward, first part (forward.forward's ``link``) on an intra-card CP plan: (o, unwritten
+    yet, and the LinkedEntry that forward.linked_output completes), recorded once per signature and replayed like
+    the plain forward (link.eye is an input of the plan)."""
+    dev = q.device
+    inputs = _forward_inputs(problem, q, k, v, g, beta, initial_state, cu_seqlens) + (link.eye,)
+    key = forward_key(problem, dev, q.dtype, initial_state is not None, output_final_state, use_qk_l2norm) + (
+        "linked", tuple(plan[:4]), link.trailing, link.eye is not None)
+
+    def record():
+        o, entry, _, _ = forward(problem, *inputs[:6], output_final_state, inputs[6], use_qk_l2norm, plan=plan,
+                                 link=link)
+        # the output chain's other pointers and the final states' tables pass on as addresses (no views to build)
+        rest = {k: t for k, t in entry.pointers.items() if k != "h0"}
+        results = ((o, entry.h_in, entry.b) + tuple(plans.Address(t) for t in rest.values())
+                   + (plans.Address(entry.last), None if entry.boundary is None else plans.Address(entry.boundary)))
+        return results, functools.partial(_finish_linked, tuple(rest), entry.variant, entry.sizes, entry.count,
+                                          entry.store_ht)
 
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
 

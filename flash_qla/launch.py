@@ -117,6 +117,11 @@ def join(waiting: torch.cuda.Stream, on: torch.cuda.Stream) -> None:
         rec.join(waiting.cuda_stream, on.cuda_stream)
 
 
+def address(x) -> int:
+    """The device address of a tensor, or an address already (plans.Address results of a replay)."""
+    return x if isinstance(x, int) else x.data_ptr()
+
+
 def packed(x: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] -> contiguous [B*T, ...] (a view when already contiguous)."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()

@@ -25,8 +25,8 @@ LOG="$OUT/gpu_validate.log"
   echo "== compute-sanitizer racecheck"
   compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 3 python3 scripts/sanitize_case.py > "$OUT/racecheck.log" 2>&1
   grep -E "RACECHECK SUMMARY|sanitize case" "$OUT/racecheck.log"
-  # the CP tables' kernel over several CTAs (plan) and multi-GPU CP's head window build (window)
-  for case in plan window; do
+  # the CP tables' kernel over several CTAs (plan), multi-GPU CP's head window build (window) and linked forward
+  for case in plan window linked; do
     echo "== compute-sanitizer: sanitize_case.py $case"
     compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_case.py "$case" \
       > "$OUT/memcheck_$case.log" 2>&1

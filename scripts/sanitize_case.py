@@ -9,6 +9,9 @@ usage: python scripts/sanitize_case.py          a varlen forward + backward over
                                                 pairs than one gdn_cp_plan CTA walks (several of its CTAs)
        python scripts/sanitize_case.py window   multi-GPU CP's head window build (gdn_fwd_chain "window"): heads
                                                 that stop early, heads that run it all
+       python scripts/sanitize_case.py linked   multi-GPU CP's linked forward on one GPU: gdn_cp_plan's trailing
+                                                segment, B's combine from the identity (zero_z) beside A's, the
+                                                output chain after h_in += B h_e
 """
 import sys
 
@@ -67,12 +70,37 @@ def window() -> None:
     sys.exit(0)
 
 
+def linked() -> None:
+    from flash_qla import forward, kernel_api, validation
+    torch.manual_seed(0)
+    T, hq, hv, K, L = 64 * 12, 1, 4, 128, 2
+    tuning.settings.force_segment_chunks = L
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    q = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, T, hq, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, T, hv, K, device="cuda").bfloat16()
+    g = -torch.tensor([0.0, 0.01, 0.3, 4.0], device="cuda") * torch.rand(1, T, hv, device="cuda")
+    beta = torch.rand(1, T, hv, device="cuda")
+    problem = validation.validate_inputs(q, k, v, g, beta, None, None, cu.cpu())
+    plan = forward.forward_plan(problem, "bf16", q.device, False, False)
+    eye = torch.eye(K, device="cuda").expand(1, hv, K, K).contiguous()
+    o, entry = kernel_api.run_linked_entry(problem, q, k, v, g, beta, None, cu, False, plan, forward.Link(True, eye),
+                                           True)
+    entry.h_in[:T // 64 // L] += torch.matmul(entry.b[:T // 64 // L], torch.randn(hv, K, K, device="cuda"))
+    ht = kernel_api.per_sequence(problem, forward.linked_output(entry, q.device), q.device, "ht")
+    torch.cuda.synchronize()
+    print("linked case ok", float(o.float().abs().sum()), float(ht.abs().sum()))
+    sys.exit(0)
+
+
 if sys.argv[1:] == ["tiny"]:
     tiny()
 elif sys.argv[1:] == ["plan"]:
     plan()
 elif sys.argv[1:] == ["window"]:
     window()
+elif sys.argv[1:] == ["linked"]:
+    linked()
 elif sys.argv[1:]:
     sys.exit(__doc__)
 

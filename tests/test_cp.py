@@ -125,6 +125,50 @@ def test_cp_algebra_matches_the_recurrence(unit_keys):
     assert float((o - o_ref[0]).norm() / o_ref[0].norm()) < 1e-4
 
 
+@pytest.mark.parametrize("lengths,L", [([200, 64 * 9], 2), ([64 * 8], 2), ([64], 4), ([65, 64 * 3], 8)])
+def test_trailing_row_gives_the_leaving_state(lengths, L):
+    """cp.trailing_row (multi-GPU CP's linked combine): the row past the last sequence's last segment gets a warm-up
+    as a segment start there would (checked against warmup_tables on the sequence made longer), and its pre-pass and
+    combine step give the last sequence's final state, to within the warm-up bound (fallback heads exactly)."""
+    hq, hv, K, V = 2, 4, 8, 8
+    x = hard_inputs(lengths, hq, hv, K, V)
+    q, k, v, g, beta, h0 = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    g = g / 40
+    cu, offsets, seg = _tables(lengths, L)
+    T, N = int(cu[-1]), len(lengths)
+    start, fallback = cp.warmup_tables(seg, *_tiles(g[0], k[0], beta[0], cu, offsets, T, hv // hq))
+    start, fallback = start.clone(), fallback.clone()
+    last = int(seg.last[-1])
+    row = cp.trailing_row(seg, N, start, fallback, *_tiles(g[0], k[0], beta[0], cu, offsets, T, hv // hq))
+    assert row.tolist() == [last + 1] and int(seg.base[-1]) == last + 2 and int(seg.cu[last + 1]) == T
+    if (lengths[-1] // CHUNK) % L == 0:   # a whole last segment: the same row as a segment starting at T would get
+        more = hard_inputs(lengths[:-1] + [lengths[-1] + 128], hq, hv, K, V)
+        g2 = torch.cat([g, more["g"][:, T:] / 40], 1)
+        k2, b2 = (torch.cat([a, more[n][:, T:]], 1) for a, n in ((k, "k"), (beta, "beta")))
+        cu2, off2, seg2 = _tables(lengths[:-1] + [lengths[-1] + 128], L)
+        s2, f2 = cp.warmup_tables(seg2, *_tiles(g2[0], k2[0], b2[0], cu2, off2, T + 128, hv // hq))
+        assert torch.equal(start[last + 1], s2[last + 1]) and torch.equal(fallback[last + 1], f2[last + 1])
+    _, ht_ref = recurrent_gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=cu)
+    eye, zero = torch.eye(K, dtype=torch.float64), torch.zeros(K, V, dtype=torch.float64)
+    for h in range(hv):
+        entering = h0[-1, h]
+        for s in range(int(seg.base[N - 1]), last + 2):
+            lo = int(seg.cu[s])
+            if s > int(seg.base[N - 1]):
+                a = int(start[s, h])
+                _, z = _run(q, k, v, g, beta, zero, a, lo, h)
+                if fallback[s, h]:
+                    assert a == int(seg.cu[s - 1])
+                    _, m = _run(q, k, torch.zeros_like(v), g, beta, eye, a, lo, h)
+                    entering = z + m @ entering
+                else:
+                    assert float(g[0, a:lo, h].sum()) <= cp.WARMUP_LOG_DECAY + 1e-9
+                    entering = z
+        err = (entering - ht_ref[-1, h]).norm() / ht_ref[-1, h].norm()
+        assert err < 1e-4, (h, float(err))
+
+
 @pytest.mark.parametrize("unit_keys", [True, False])
 def test_reverse_cp_algebra_matches_the_adjoint(unit_keys):
     """The backward's CP as gdn_bwd_dh's state / trans builds and the reverse gdn_cp_combine do it, with autograd

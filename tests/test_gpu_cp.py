@@ -92,14 +92,15 @@ def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypat
     assert reference.relative_l2(o, o_plain.double()) <= 5e-3 and reference.relative_l2(ht, ht_plain.double()) <= 5e-3
 
 
-@pytest.mark.parametrize("L, lengths", [(1, LENGTHS), (2, LENGTHS), (5, LENGTHS), (1, LENGTHS + [5000])],
-                         ids=["L1", "L2", "L5", "L1-many-ctas"])
+@pytest.mark.parametrize("L, lengths", [(1, LENGTHS), (2, LENGTHS), (5, LENGTHS), (1, LENGTHS + [5000]),
+                                        (3, LENGTHS + [640])], ids=["L1", "L2", "L5", "L1-many-ctas", "L3-trail"])
 @pytest.mark.parametrize("unit_keys", [True, False])
 def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables (+ cp.reverse_warmup_tables for the
     backward's launch) on gdn_prepare's real outputs:
     varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound; the
-    longest case has more (segment, head) pairs than one CTA of the kernel walks."""
+    longest case has more (segment, head) pairs than one CTA of the kernel walks; with a last sequence of whole chunks,
+    also the tables with a trailing segment (trail) against cp.trailing_row."""
     x = draw(lengths, 2, 6, 64, 64, torch.bfloat16, seed=L + 100 * (len(lengths) - len(LENGTHS)))
     if not unit_keys:
         x["k"] = x["k"] * 1.6  # beta |k|^2 up to 2.56: some chunks void the warm-up bound
@@ -107,8 +108,8 @@ def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     captured = {}
     real = fwd._cp_tables
 
-    def spy(problem, L_, TC, t, stream, bidi=False):
-        captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream, bidi), problem=problem)
+    def spy(problem, L_, TC, t, stream, bidi=False, trail=False):
+        captured.update(t=t, TC=TC, out=real(problem, L_, TC, t, stream, bidi, trail), problem=problem)
         return captured["out"]
 
     monkeypatch.setattr(fwd, "_cp_tables", spy)
@@ -132,6 +133,21 @@ def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     assert bool(rfallback.any())
     if unit_keys:  # a gate-bounded reverse warm-up somewhere (keys with |k| != 1 void the bound everywhere)
         assert bool((rend > seg.cu[1:].int()[:, None]).logical_and(rfallback == 0).any())
+    # with trail (multi-GPU CP's linked forward): the last sequence's trailing segment as cp.trailing_row makes it
+    # from the tables without; a last sequence of whole chunks (the kernel's precondition) only
+    if lengths[-1] % 64 == 0:
+        seg3, start3, fallback3, _ = real(captured["problem"], L, captured["TC"], t, None, trail=True)
+        N = len(lengths)
+        ref_start, ref_fallback = ref_start.clone(), ref_fallback.clone()
+        row = cp.trailing_row(ref, N, ref_start, ref_fallback, t["gam_t"], t["bkk_max"])
+        assert seg3.count == ref.count + 1
+        for name in ("cu", "slot", "base", "last"):  # cu / slot: one more padding entry
+            got, want = getattr(seg3, name).long(), getattr(ref, name).long()
+            assert torch.equal(got[:want.numel()], want), name
+        assert torch.equal(start3[:ref.count], ref_start) and torch.equal(fallback3[:ref.count], ref_fallback)
+        assert int(row) < ref.count and bool(fallback3[int(row)].any())       # the g = 0 heads
+        if unit_keys:                                                         # and a gate-bounded warm-up
+            assert bool((fallback3[int(row)] == 0).any())
 
 
 def window_build_variants():
@@ -179,3 +195,41 @@ def test_window_build_stops_like_the_reference(variant, w, l2norm):
             assert float((final[0, h].double() - m_ref[0, h]).norm()) <= TOL[dtype] * scale, h
     (o2, final2), whole2 = cpd._stopped_window(call, q, k, zeros, g, beta, w)      # repeats bit-identical
     assert torch.equal(o2, o) and torch.equal(final2, final) and torch.equal(whole2, whole)
+
+
+@pytest.mark.parametrize("lengths", [[64 * 40], [333, 64 * 21]], ids=["one", "two"])
+@pytest.mark.parametrize("L", [3, 8])
+def test_linked_forward_parts_match_fp64(lengths, L, monkeypatch):
+    """Multi-GPU CP's linked forward on one GPU (forward.Link, kernel_api.run_linked_entry; the distributed path adds
+    the exchange): part one with sequence 0 entering at zero, the trailing segment and B (gdn_cp_combine's zero_z);
+    then h_in += B h_e and the output chain give the forward whose sequence 0 enters with h_e: o and the final states
+    against the fp64 reference, the trailing row's A + B h_e against the last sequence's final state. NaN-poisoned
+    buffers; the recorded plan's replay repeats the recording bit for bit."""
+    from flash_qla import kernel_api, validation
+    monkeypatch.setattr(settings, "force_segment_chunks", L)
+    x = draw(lengths, 2, 6, 128, 128, torch.bfloat16, seed=L + 10 * len(lengths))
+    N, hv, K = len(lengths), 6, 128
+    h_e = x["initial_state"][0].clone()
+    h_own = x["initial_state"].clone()
+    h_own[0] = 0
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    problem = validation.validate_inputs(*args, None, h_own, x["cu_seqlens"].cpu())
+    plan = fwd.forward_plan(problem, "bf16", x["q"].device, False, False)
+    eye = torch.cat([torch.eye(K, device="cuda").expand(1, hv, K, K), torch.zeros(N - 1, hv, K, K, device="cuda")])
+    segments = [-(-(-(-n // 64)) // L) for n in lengths]
+    o_ref, ht_ref = fp64_reference(x)
+    runs = []
+    for _ in range(2):  # recorded, then replayed
+        o, entry = kernel_api.run_linked_entry(problem, *args, h_own, x["cu_seqlens"], False, plan,
+                                               fwd.Link(True, eye), True)
+        h_in, b = entry.h_in, entry.b
+        leaving = h_in[sum(segments)] + (b[sum(segments)] @ h_e if N == 1 else 0)
+        assert reference.relative_l2(leaving, ht_ref[-1]) <= TOL[torch.bfloat16], "trailing row"
+        R = segments[0]
+        h_in[:R] += torch.matmul(b[:R], h_e)
+        ht = kernel_api.per_sequence(problem, fwd.linked_output(entry, x["q"].device), x["q"].device, "ht")
+        assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
+        assert reference.relative_l2(o, o_ref) <= TOL[torch.bfloat16], "o"
+        assert reference.relative_l2(ht, ht_ref) <= TOL[torch.bfloat16], "final states"
+        runs.append((o, ht))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -21,6 +21,9 @@ CASES = [
 ]
 # the cases whose windows must hold (no rank runs its boundaries exactly); 512 tokens cannot forget a g = 0 head
 WINDOWS_HOLD = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
+# whether calls without gradients take the linked combine: every shard plans intra-card CP there; 3000-token shards
+# hand sequences on mid-chunk, so that case keeps the windowed path
+LINKED = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
 
 
 def _inputs(T, hq, hv, K, V, nseq, dtype, device, seed):
@@ -66,7 +69,7 @@ def _case(rank, world, case, log):
     import flash_qla
     from flash_qla.distributed import STATS, build_cp_context, chunk_gated_delta_rule_cp
     name, part, fracs, hq, hv, K, V, dtype, l2norm, warmup = case
-    fallbacks = STATS["exact_fallback"]
+    fallbacks, linked = STATS["exact_fallback"], STATS["linked"]
     T = part * world
     cu = sorted({0, T, *[int(f * T) for f in fracs]})
     dev = torch.device("cuda", rank)
@@ -92,8 +95,10 @@ def _case(rank, world, case, log):
     o_routed, _ = flash_qla.chunk_gated_delta_rule(**x_local, initial_state=h0_local, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ctx.cu_seqlens,
                                                    cp_context=ctx)
-    assert torch.equal(o_routed, o), (name, rank, "routed call")
-    _check_repeats(name, rank, ctx, x_local, h0_local, l2norm, warmup, o, ht, cu_t)
+    o_ng, ht_ng = _check_repeats(name, rank, ctx, x_local, h0_local, l2norm, warmup, o, ht, cu_t)
+    assert torch.equal(o_routed, o_ng), (name, rank, "routed call")   # no gradients: the same path
+    if name in LINKED:
+        assert (STATS["linked"] > linked) == LINKED[name], (name, rank, dict(STATS))
     if name in WINDOWS_HOLD:
         assert (STATS["exact_fallback"] == fallbacks) == WINDOWS_HOLD[name], (name, rank, dict(STATS))
 
@@ -108,9 +113,10 @@ def _case(rank, world, case, log):
     o64, ht64, g64 = _grads(whole("reference", f64), x, h0, do, lambda ht: dht)
     last = [i for i, s in enumerate(ids) if i < len(ids) - 1 or ctx.post_num_ranks == 0]
     rows = []
-    checks = [("o", o, o1[:, lo:hi], o64[:, lo:hi])]
+    checks = [("o", o, o1[:, lo:hi], o64[:, lo:hi]), ("o no-grad", o_ng, o1[:, lo:hi], o64[:, lo:hi])]
     if last:
         checks.append(("final", ht[last], ht1[[ids[i] for i in last]], ht64[[ids[i] for i in last]]))
+        checks.append(("final no-grad", ht_ng[last], ht1[[ids[i] for i in last]], ht64[[ids[i] for i in last]]))
     for n in ("dq", "dk", "dv", "dg", "dbeta"):
         checks.append((n, grads[n], g1[n][:, lo:hi], g64[n][:, lo:hi]))
     own = [i for i in range(len(ids)) if i > 0 or ctx.pre_num_ranks == 0]
@@ -127,8 +133,9 @@ def _case(rank, world, case, log):
 
 
 def _check_repeats(name, rank, ctx, x_local, h0_local, l2norm, warmup, o, ht, cu_t):
-    """Calls without autograd (the entry's remembered checks, the flags read at the end) give the autograd call's o
-    and final state, repeated and for other inputs of the same shape against a new context's first call."""
+    """Calls without autograd (the entry's remembered checks; the linked combine or the windowed path's flags read
+    at the end) repeat bit for bit, and for other inputs of the same shape match a new context's first call; on the
+    windowed path they give the autograd call's o and final state exactly. Returns the first one's (o, final)."""
     from flash_qla.distributed import build_cp_context, chunk_gated_delta_rule_cp
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
     other = {n: t.roll(1, dims=1).contiguous() for n, t in x_local.items()}
@@ -137,9 +144,13 @@ def _check_repeats(name, rank, ctx, x_local, h0_local, l2norm, warmup, o, ht, cu
         o_other, ht_other = chunk_gated_delta_rule_cp(**other, initial_state=h0_local, cp_context=ctx, **kw)
         fresh = build_cp_context(cu_t, warmup_tokens=warmup)
         o_new, ht_new = chunk_gated_delta_rule_cp(**other, initial_state=h0_local, cp_context=fresh, **kw)
+    from flash_qla.distributed import _checked_call, _link_layout
+    call = _checked_call(ctx, *x_local.values(), None, h0_local, True, l2norm, "auto")
+    same = (o, ht) if _link_layout(call, ctx, tuple(x_local.values()), h0_local) is None else runs[0]
     for o_r, ht_r in runs:
-        assert torch.equal(o_r, o.detach()) and torch.equal(ht_r, ht.detach()), (name, rank, "repeated call")
+        assert torch.equal(o_r, same[0].detach()) and torch.equal(ht_r, same[1].detach()), (name, rank, "repeat")
     assert torch.equal(o_other, o_new) and torch.equal(ht_other, ht_new), (name, rank, "other inputs")
+    return runs[0]
 
 
 def _worker(rank, world, init_file, out_dir):

@@ -8,6 +8,9 @@ flash_qla/cp.py). Per (sequence, v-head, 16 V columns) one CTA walks the sequenc
 With reverse (the backward's dS chain, flash_qla/cp.py) the walk runs last segment to first:
     h_in[last] = dht (or 0);  h_in[s] += M^T[s] h_in[s+1] where fallback[s]
 (m then holds the transposed transitions of the segments after, gdn_bwd_dh's "trans" mode).
+With zero_z the Z[s] are taken as zero and h_in is not read, every row of a sequence written (multi-GPU CP's linked
+forward: from h0 = I this gives B[s], the part of h_in[s] linear in the state entering the sequence, into an
+unset buffer).
 So a sequence whose heads all decay costs one flag read per segment, and a fallback step ~3.7 us on the
 H200 (TP8 1x8192 at 8-chunk segments: 16 steps, 0.059 ms; 0.086 ms with one output per thread). A step's loads
 (Z[s], M[s] and the predecessor's state unless this CTA just computed it, which it keeps in shared memory) are
@@ -50,6 +53,7 @@ def build(K: int, V: int):
         h_in: T.Tensor((S, Hv, K, V), "float32"),
         use_h0: T.int32,
         reverse: T.int32,
+        zero_z: T.int32,
     ):
         with T.Kernel(V // BVC, Hv, N, threads=THREADS) as (bv, h, n):
             # the running state by parity: a fallback step reads hs[p] and writes hs[1 - p], whose last readers
@@ -91,7 +95,8 @@ def build(K: int, V: int):
                         # the accumulators, M[seg] and, when another kernel left it, the predecessor's state
                         for i2 in T.unroll(ROWS):
                             for u in T.unroll(COLS):
-                                acc[i2 * COLS + u] = h_in[seg, h, r0 + i2, v0 + c0 + u]
+                                acc[i2 * COLS + u] = T.if_then_else(zero_z != 0, 0.0,
+                                                                    h_in[seg, h, r0 + i2, v0 + c0 + u])
                         for j in T.unroll(NM):
                             for e in T.vectorized(4):
                                 mreg[j * 4 + e] = m[seg, h, (j * THREADS + tid) * 4 // K,
@@ -128,5 +133,9 @@ def build(K: int, V: int):
                         here = 1
                     else:
                         here = 0  # Z[seg] stands: the pre-pass wrote it
+                        if zero_z != 0:  # or zero does: each thread writes (and a later step reads) its own outputs
+                            for i2 in T.unroll(ROWS):
+                                for u in T.unroll(COLS):
+                                    h_in[seg, h, r0 + i2, v0 + c0 + u] = 0.0
 
     return gdn_cp_combine

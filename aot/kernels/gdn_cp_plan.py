@@ -11,6 +11,10 @@ A CTA per THREADS (segment slot, v-head) pairs:
      fewest trailing chunks of the previous segment whose summed g is <= decay_bound (chunk totals: gdn_prepare's
      gamma at row 63), or the whole previous segment plus the exact-transition fallback when it never gets there or a
      token of it has beta |k|^2 outside [0, 2] (gdn_prepare's per-chunk bkk_max).
+  With trail, the last sequence gets one more, empty segment at its end (its first token is the sequence's end):
+     its warm-up walks the last segment's chunks as any segment's walks its predecessor's, so the pre-pass and the
+     combine give the state LEAVING the sequence (multi-GPU CP's linked forward; cp.trailing_row is the torch form;
+     the sequence must hold whole chunks, which the caller checks). seg_last stays the last real segment.
   3. with bidi (the backward), also the reverse warm-up: the fewest leading chunks of the NEXT segment of the
      sequence whose summed g is <= decay_bound -> rend (the range [seg_cu[i + 1], rend) that gdn_bwd_dh's state
      mode walks backwards), or all of the next segment plus the fallback flag (cp.reverse_warmup_tables).
@@ -73,6 +77,7 @@ def build(tile: int):
         tokens: T.int32,
         decay_bound: T.float32,
         bidi: T.int32,
+        trail: T.int32,
     ):
         with T.Kernel(T.ceildiv(S * Hv, THREADS), threads=THREADS) as bx:
             counts = T.alloc_shared((tile,), "int32")
@@ -98,14 +103,15 @@ def build(tile: int):
                 for i in T.Parallel(tile):
                     counts[i] = T.if_then_else(
                         blk * tile + i < N,
-                        T.ceildiv(chunk_offsets[blk * tile + i + 1] - chunk_offsets[blk * tile + i], L), 0)
+                        T.ceildiv(chunk_offsets[blk * tile + i + 1] - chunk_offsets[blk * tile + i], L)
+                        + T.if_then_else(blk * tile + i == N - 1, trail, 0), 0)
                 T.cumsum(src=counts, dim=0)
                 for i in T.Parallel(tile):
                     if blk * tile + i < N:
                         seg_base[blk * tile + i + 1] = carry[0] + counts[i]
                         seg_last[blk * tile + i] = T.if_then_else(
                             chunk_offsets[blk * tile + i + 1] > chunk_offsets[blk * tile + i],
-                            carry[0] + counts[i] - 1, -1)
+                            carry[0] + counts[i] - 1 - T.if_then_else(blk * tile + i == N - 1, trail, 0), -1)
                 if tid == 0:
                     carry[0] = carry[0] + counts[tile - 1]
             T.sync_threads()  # seg_base is read back from global memory by every thread below
@@ -122,19 +128,22 @@ def build(tile: int):
                 last_at_most(seg_base, si, seq)  # the sequence of segment si
                 j = si - seg_base[seq[0]]
                 valid = si < total
-                scu = T.if_then_else(valid, cu_seqlens[seq[0]] + j * (L * C), tokens)
-                sslot = T.if_then_else(valid, chunk_offsets[seq[0]] + j * L, chunk_offsets[N])
+                # (clamped to the sequence's end: only the trailing segment reaches it)
+                scu = T.if_then_else(valid, T.min(cu_seqlens[seq[0]] + j * (L * C), cu_seqlens[seq[0] + 1]), tokens)
+                sslot = T.if_then_else(valid, T.min(chunk_offsets[seq[0]] + j * L, chunk_offsets[seq[0] + 1]),
+                                       chunk_offsets[N])
                 if h == 0:
                     seg_cu[si] = scu
                     seg_slot[si] = sslot
                 if j == 0 or not valid:  # a sequence's first segment (or padding): no warm-up
                     start[si, h] = scu
                     fallback[si, h] = 0
-                else:  # the previous segment's chunks are slots sslot - L .. sslot - 1
-                    count[0] = L
+                else:  # the previous segment's chunks are slots sslot - count .. sslot - 1 (count = L but for
+                    # the trailing segment's, whose predecessor may be shorter)
+                    count[0] = sslot - (chunk_offsets[seq[0]] + (j - 1) * L)
                     decay_walk(gam_t, bkk_max, h, sslot - 1, -1, count, decay_bound, tot, big, walk, w)
                     if w[0] == 0 or walk[1] > 2.0:
-                        start[si, h] = scu - L * C
+                        start[si, h] = cu_seqlens[seq[0]] + (j - 1) * (L * C)
                         fallback[si, h] = 1
                     else:
                         start[si, h] = scu - w[0] * C
