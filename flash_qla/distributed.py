@@ -89,9 +89,9 @@ TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # the head window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
 SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
 WINDOW_STOPS = True               # a whole head window's chains stop where each head's gate bounds the rest
-STATS = collections.Counter()     # linked forward calls, those through the linked combine, those that had to run their
-                                  # boundaries exactly, windows split by the gate and the heads that kept the full
-                                  # length there, windows run with stops
+STATS = collections.Counter()     # calls whose ranks exchange states, those through the linked forward, those that had
+                                  # to run their boundaries exactly, windows split by the gate and the heads that kept
+                                  # the full length there, windows run with stops
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class CPContext:
     post_all: Tuple[int, ...]
     nseq_all: Tuple[int, ...]
     warmup_tokens: int = WARMUP_TOKENS
-    lengths_all: Tuple[Tuple[int, ...], ...] = ()    # every rank's local sequence lengths (the linked combine's plan)
+    lengths_all: Tuple[Tuple[int, ...], ...] = ()    # every rank's local sequence lengths (the linked forward's plan)
 
     @property
     def num_seqs(self) -> int:
@@ -644,7 +644,7 @@ def _range(name: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the linked combine: a forward without gradients whose every rank plans intra-card CP
+# the linked forward: calls without gradients whose every rank plans intra-card CP
 
 @dataclass(frozen=True)
 class _LinkLayout:

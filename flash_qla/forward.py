@@ -521,7 +521,8 @@ def _linked_entry(problem: Problem, L: int, tag: str, sizes: dict, pointers: dic
     variant = {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}
     chain_sizes = dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0)
     tensors = dict(named, h0=h_in, cu_seqlens=seg.cu, chunk_offsets=seg.slot, o=t["o"], ht=ht_seg)
-    return LinkedEntry(variant, chain_sizes, tensors, h_in, link.b, seg.last, t["h0"], S, output_final_state)
+    b, link.b = link.b, None        # the entry holds this call's B, not the (kept) Link
+    return LinkedEntry(variant, chain_sizes, tensors, h_in, b, seg.last, t["h0"], S, output_final_state)
 
 
 def linked_output(entry: LinkedEntry, device: torch.device) -> Optional[SegmentStates]:

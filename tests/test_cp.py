@@ -127,7 +127,7 @@ def test_cp_algebra_matches_the_recurrence(unit_keys):
 
 @pytest.mark.parametrize("lengths,L", [([200, 64 * 9], 2), ([64 * 8], 2), ([64], 4), ([65, 64 * 3], 8)])
 def test_trailing_row_gives_the_leaving_state(lengths, L):
-    """cp.trailing_row (multi-GPU CP's linked combine): the row past the last sequence's last segment gets a warm-up
+    """cp.trailing_row (multi-GPU CP's linked forward): the row past the last sequence's last segment gets a warm-up
     as a segment start there would (checked against warmup_tables on the sequence made longer), and its pre-pass and
     combine step give the last sequence's final state, to within the warm-up bound (fallback heads exactly)."""
     hq, hv, K, V = 2, 4, 8, 8

@@ -21,7 +21,7 @@ CASES = [
 ]
 # the cases whose windows must hold (no rank runs its boundaries exactly); 512 tokens cannot forget a g = 0 head
 WINDOWS_HOLD = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
-# whether calls without gradients take the linked combine: every shard plans intra-card CP there; 3000-token shards
+# whether calls without gradients take the linked forward: every shard plans intra-card CP there; 3000-token shards
 # hand sequences on mid-chunk, so that case keeps the windowed path
 LINKED = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
 
@@ -133,7 +133,7 @@ def _case(rank, world, case, log):
 
 
 def _check_repeats(name, rank, ctx, x_local, h0_local, l2norm, warmup, o, ht, cu_t):
-    """Calls without autograd (the entry's remembered checks; the linked combine or the windowed path's flags read
+    """Calls without autograd (the entry's remembered checks; the linked forward or the windowed path's flags read
     at the end) repeat bit for bit, and for other inputs of the same shape match a new context's first call; on the
     windowed path they give the autograd call's o and final state exactly. Returns the first one's (o, final)."""
     from flash_qla.distributed import build_cp_context, chunk_gated_delta_rule_cp
