@@ -210,3 +210,81 @@ def test_reverse_cp_algebra_matches_the_adjoint(unit_keys):
                 assert err < 1e-4, (n, h, s, float(err))
                 checked[bool(fallback[s, h])] += 1
     assert checked[True] > 0 and (checked[False] > 0 or not unit_keys)
+
+
+@pytest.mark.parametrize("lengths", [[64 * 30], [64 * 13, 64 * 17]], ids=["one_sequence", "two_sequences"])
+def test_linked_forward_algebra_matches_the_recurrence(lengths):
+    """Multi-GPU CP's linked forward (flash_qla/distributed.py) as its kernels do it, with the token recurrence
+    standing in for each chain: three ranks of 640 tokens, each with its own tables, the trailing segment where a
+    sequence goes on, the combine A (a continued sequence entering with zero state) and B (from the identity with zero
+    warm-up states); the trailing rows' (A, B) folded along the ranks (distributed._entering_state, through the B of
+    a rank inside one sequence) give each rank's entering state h_e, h_in = A + B h_e, and every segment run from its
+    h_in gives the recurrence over the whole batch: o and final states within the warm-up bound."""
+    from types import SimpleNamespace
+    from flash_qla.distributed import _entering_state
+    W, L, hq, hv, K, V = 3, 3, 2, 4, 8, 8
+    x = hard_inputs(lengths, hq, hv, K, V)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    g = g / 40
+    T = sum(lengths)
+    P = T // W
+    cu_g = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    o_ref, ht_ref = recurrent_gated_delta_rule(q, k, v, g, beta, scale=1.0, output_final_state=True,
+                                               cu_seqlens=random_cu_seqlens(lengths))
+    eye, zero = torch.eye(K, dtype=torch.float64), torch.zeros(K, V, dtype=torch.float64)
+    ranks = []
+    for r in range(W):
+        lo, hi = r * P, (r + 1) * P
+        local = [min(max(b, lo), hi) - lo for b in cu_g if lo < b < hi] + [P]
+        local = [b - a for a, b in zip([0] + local, local)]
+        pre, post = cu_g.count(lo) == 0, cu_g.count(hi) == 0 and r < W - 1
+        cu = random_cu_seqlens(local)
+        offsets = torch.tensor([0] + torch.tensor([-(-n // CHUNK) for n in local]).cumsum(0).tolist(),
+                               dtype=torch.int32)
+        seg = cp.segment_tables(cu, offsets, P, L)
+        tiles = _tiles(g[0, lo:hi], k[0, lo:hi], beta[0, lo:hi], cu, offsets, P, hv // hq)
+        start, fallback = cp.warmup_tables(seg, *tiles)
+        row = int(cp.trailing_row(seg, len(local), start, fallback, *tiles)) if post else None
+        A = torch.zeros(seg.count, hv, K, V, dtype=torch.float64)
+        B = torch.zeros(seg.count, hv, K, K, dtype=torch.float64)
+        for n in range(len(local)):
+            for h in range(hv):
+                a_prev, b_prev = zero, (eye if n == 0 and pre else torch.zeros(K, K, dtype=torch.float64))
+                for s in range(int(seg.base[n]), int(seg.base[n + 1])):
+                    if s > int(seg.base[n]):
+                        a, b = lo + int(start[s, h]), lo + int(seg.cu[s])
+                        _, z = _run(q, k, v, g, beta, zero, a, b, h)
+                        if fallback[s, h]:
+                            _, m = _run(q, k, torch.zeros_like(v), g, beta, eye, a, b, h)
+                            a_prev, b_prev = z + m @ a_prev, m @ b_prev
+                        else:
+                            a_prev, b_prev = z, torch.zeros(K, K, dtype=torch.float64)
+                    A[s, h], B[s, h] = a_prev, b_prev
+        ranks.append(SimpleNamespace(lo=lo, local=local, pre=pre, seg=seg, row=row, A=A, B=B,
+                                     transit=pre and post and len(local) == 1))
+    # the all-gather's rows, then each rank's fold
+    Cs = torch.stack([rk.A[rk.row] if rk.row is not None else torch.zeros(hv, K, V, dtype=torch.float64)
+                      for rk in ranks])
+    Ms = torch.stack([rk.B[rk.row] if rk.transit else torch.zeros(hv, K, K, dtype=torch.float64) for rk in ranks])
+    carry = any(rk.transit for rk in ranks)
+    assert carry == (len(lengths) == 1)
+    o = torch.zeros_like(o_ref[0])
+    finals = []
+    for r, rk in enumerate(ranks):
+        h_in = rk.A.clone()
+        if rk.pre:
+            pre_num = r - max(c for c in cu_g if c <= rk.lo) // P      # ranks back to where the sequence starts
+            h_e = _entering_state(SimpleNamespace(rank=r, pre_num_ranks=pre_num), Cs, Ms if carry else None)
+            first = int(rk.seg.base[1])
+            h_in[:first] += torch.matmul(rk.B[:first], h_e)
+        for n in range(len(rk.local)):
+            for h in range(hv):
+                for s in range(int(rk.seg.base[n]), int(rk.seg.last[n]) + 1):
+                    a, b = rk.lo + int(rk.seg.cu[s]), rk.lo + int(rk.seg.cu[s + 1])
+                    o[a:b, h], state = _run(q, k, v, g, beta, h_in[s, h], a, b, h)
+                if rk.lo + sum(rk.local[:n + 1]) in cu_g:   # the sequence ends on this rank
+                    finals.append((cu_g.index(rk.lo + sum(rk.local[:n + 1])) - 1, h, state))
+    assert float((o - o_ref[0]).norm() / o_ref[0].norm()) < 1e-4
+    assert len(finals) == len(lengths) * hv
+    for n, h, state in finals:
+        assert float((state - ht_ref[n, h]).norm() / ht_ref[n, h].norm()) < 1e-4, (n, h)
