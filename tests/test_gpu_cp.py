@@ -197,24 +197,27 @@ def test_window_build_stops_like_the_reference(variant, w, l2norm):
     assert torch.equal(o2, o) and torch.equal(final2, final) and torch.equal(whole2, whole)
 
 
+@pytest.mark.parametrize("variant", [("bf16", 128, 128), ("fp16", 64, 256)], ids=["bf16-K128-V128", "fp16-K64-V256"])
 @pytest.mark.parametrize("lengths", [[64 * 40], [333, 64 * 21]], ids=["one", "two"])
 @pytest.mark.parametrize("L", [3, 8])
-def test_linked_forward_parts_match_fp64(lengths, L, monkeypatch):
+def test_linked_forward_parts_match_fp64(lengths, L, variant, monkeypatch):
     """Multi-GPU CP's linked forward on one GPU (forward.Link, kernel_api.run_linked_entry; the distributed path adds
     the exchange): part one with sequence 0 entering at zero, the trailing segment and B (gdn_cp_combine's zero_z);
     then h_in += B h_e and the output chain give the forward whose sequence 0 enters with h_e: o and the final states
     against the fp64 reference, the trailing row's A + B h_e against the last sequence's final state. NaN-poisoned
     buffers; the recorded plan's replay repeats the recording bit for bit."""
     from flash_qla import kernel_api, validation
+    tag, K, V = variant
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     monkeypatch.setattr(settings, "force_segment_chunks", L)
-    x = draw(lengths, 2, 6, 128, 128, torch.bfloat16, seed=L + 10 * len(lengths))
-    N, hv, K = len(lengths), 6, 128
+    x = draw(lengths, 2, 6, K, V, dtype, seed=L + 10 * len(lengths) + K)
+    N, hv = len(lengths), 6
     h_e = x["initial_state"][0].clone()
     h_own = x["initial_state"].clone()
     h_own[0] = 0
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     problem = validation.validate_inputs(*args, None, h_own, x["cu_seqlens"].cpu())
-    plan = fwd.forward_plan(problem, "bf16", x["q"].device, False, False)
+    plan = fwd.forward_plan(problem, tag, x["q"].device, False, False)
     eye = torch.cat([torch.eye(K, device="cuda").expand(1, hv, K, K), torch.zeros(N - 1, hv, K, K, device="cuda")])
     segments = [-(-(-(-n // 64)) // L) for n in lengths]
     o_ref, ht_ref = fp64_reference(x)
@@ -224,12 +227,12 @@ def test_linked_forward_parts_match_fp64(lengths, L, monkeypatch):
                                                fwd.Link(True, eye), True)
         h_in, b = entry.h_in, entry.b
         leaving = h_in[sum(segments)] + (b[sum(segments)] @ h_e if N == 1 else 0)
-        assert reference.relative_l2(leaving, ht_ref[-1]) <= TOL[torch.bfloat16], "trailing row"
+        assert reference.relative_l2(leaving, ht_ref[-1]) <= TOL[dtype], "trailing row"
         R = segments[0]
         h_in[:R] += torch.matmul(b[:R], h_e)
         ht = kernel_api.per_sequence(problem, fwd.linked_output(entry, x["q"].device), x["q"].device, "ht")
         assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
-        assert reference.relative_l2(o, o_ref) <= TOL[torch.bfloat16], "o"
-        assert reference.relative_l2(ht, ht_ref) <= TOL[torch.bfloat16], "final states"
+        assert reference.relative_l2(o, o_ref) <= TOL[dtype], "o"
+        assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], "final states"
         runs.append((o, ht))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -18,12 +18,15 @@ CASES = [
     ("crossing_short_window", 3000, [0.0, 0.3, 0.9, 1.0], 2, 4, 128, 64, torch.bfloat16, False, 512),
     # shards twice the window: every boundary is cut at 8192 tokens (the g = 0 head's keys forget within ~4.5k)
     ("one_sequence_windows", 16384, [0.0, 1.0], 2, 4, 128, 128, torch.bfloat16, False, 8192),
+    # GVA, K = 64, V = 256, fp16, l2norm: without gradients through the linked forward (every shard plans CP)
+    ("one_sequence_gva", 4096, [0.0, 1.0], 1, 4, 64, 256, torch.float16, True, 8192),
 ]
 # the cases whose windows must hold (no rank runs its boundaries exactly); 512 tokens cannot forget a g = 0 head
 WINDOWS_HOLD = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
 # whether calls without gradients take the linked forward: every shard plans intra-card CP there; 3000-token shards
 # hand sequences on mid-chunk, so that case keeps the windowed path
-LINKED = {"one_sequence": True, "one_sequence_windows": True, "crossing_short_window": False}
+LINKED = {"one_sequence": True, "one_sequence_windows": True, "one_sequence_gva": True,
+          "crossing_short_window": False}
 
 
 def _inputs(T, hq, hv, K, V, nseq, dtype, device, seed):
