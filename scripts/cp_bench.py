@@ -5,11 +5,15 @@ NCCL), forward and backward, ours (flash_qla.distributed; the plain single-GPU c
 
 usage: python3 scripts/cp_bench.py --lib ours|fla --out-dir DIR [--worlds 1,2,4] [--tokens 131072,524288,1048576]
                                    [--heads 16/64,2/8] [--passes fwd,bwd] [--iters 10] [--commit SHA]
-                                   [--profile [--trace FILE]]
+                                   [--timing wall|events] [--profile [--trace FILE]]
 Appends rows {lib, pass_, world_size, tokens, hq, hv, ms, card[, error][, local_ms, rank_ms, rank_local_ms,
 exact_fallbacks]} to DIR/<card>.jsonl. ms: the median over iterations of the slowest rank's wall time of one call
-(synchronised before and after, so the host synchronisations inside the call count). local_ms (ours, world size >
-1): the same for the plain single-GPU call on the rank's shard alone (an entering state in, the final state out),
+(synchronised before and after, so the host synchronisations inside the call count); with --timing events (the row
+says "timing": "events") instead the calls are issued back to back with a CUDA-event pair around each and no
+synchronisation between them, as the project's eager timing (flash_qla/bench/timing.py, triton's do_bench) and a
+training or serving loop issue them: the host runs ahead, so its path to a call's first kernel is hidden where the
+previous call's GPU work covers it (no L2 flush: a shard's working set is far beyond the L2). local_ms (ours, world
+size > 1): the same for the plain single-GPU call on the rank's shard alone (an entering state in, the final state out),
 the floor CP's windows and exchange add to; rank_ms / rank_local_ms (world size > 1): each rank's own median of the
 same timed calls, by rank (the chain of ranks and the spread of the GPUs: a rank's state arrives when the previous
 rank's main pass ends); exact_fallbacks: how many of the row's timed CP calls found a window too short and ran their
@@ -68,16 +72,33 @@ def sync_all(device):
     sync(device)
 
 
-def timed(fn, device, warmup, iters, setup=None):
-    """(median over iterations of the slowest rank's wall time of fn(setup()), each rank's own median), in ms."""
-    times = []
-    for i in range(warmup + iters):
-        arg = setup() if setup else None
+def timed(fn, device, warmup, iters, setup=None, events=False):
+    """(median over iterations of the slowest rank's time of fn(setup()), each rank's own median), in ms: wall time
+    between synchronisations, or with events the CUDA-event time of calls issued back to back (on the CPU: the
+    host's time, which there is the same thing)."""
+    if events and device.type == "cuda":
+        pairs = []
         sync_all(device)
-        t0 = time.perf_counter()
-        fn(arg)
+        for i in range(warmup + iters):
+            arg = setup() if setup else None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(arg)
+            end.record()
+            pairs.append((start, end))
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times = [s.elapsed_time(e) / 1e3 for s, e in pairs]
+    else:
+        times = []
+        for i in range(warmup + iters):
+            arg = setup() if setup else None
+            if not events:
+                sync_all(device)
+            t0 = time.perf_counter()
+            fn(arg)
+            if not events:
+                sync(device)
+            times.append(time.perf_counter() - t0)
     t = torch.tensor(times[warmup:], device=device, dtype=torch.float64)
     ranks = torch.zeros(dist.get_world_size(), device=device, dtype=torch.float64)
     ranks[dist.get_rank()] = statistics.median(t.tolist())
@@ -137,25 +158,28 @@ def worker(rank, world, args, init_file, out_path):
                            card=card_name())
                 if args.commit:
                     row["commit"] = args.commit
+                events = args.timing == "events"
+                if events:
+                    row["timing"] = "events"
                 fallbacks = _fallbacks() if args.lib == "ours" else 0
                 try:
                     if pass_ == "fwd":
                         x, _ = shard(P, hq, hv, rank, device, False)
                         with torch.no_grad():
-                            row["ms"], ranks = timed(call, device, args.warmup, args.iters, lambda: x)
+                            row["ms"], ranks = timed(call, device, args.warmup, args.iters, lambda: x, events)
                             if local is not None:
                                 row["local_ms"], local_ranks = timed(local, device, args.warmup, args.iters,
-                                                                     lambda: x)
+                                                                     lambda: x, events)
                     else:
                         x, do = shard(P, hq, hv, rank, device, True)
 
                         def fwd_for(fn):
                             return lambda: fn(x)
                         bwd = lambda o: torch.autograd.backward([o], [do])
-                        row["ms"], ranks = timed(bwd, device, 2, max(3, args.iters // 2), fwd_for(call))
+                        row["ms"], ranks = timed(bwd, device, 2, max(3, args.iters // 2), fwd_for(call), events)
                         if local is not None:
                             row["local_ms"], local_ranks = timed(bwd, device, 2, max(3, args.iters // 2),
-                                                                 fwd_for(local))
+                                                                 fwd_for(local), events)
                     if world > 1:
                         row["rank_ms"] = ranks
                         if local is not None:
@@ -214,6 +238,8 @@ def main(argv=None):
     p.add_argument("--passes", default="fwd,bwd")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timing", choices=("wall", "events"), default="wall",
+                   help="wall: each call between synchronisations; events: calls back to back, CUDA-event pairs")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of the last configuration at the largest world size")
     p.add_argument("--trace", default=None, help="with --profile: write each rank's Chrome trace (FILE.rank<r>.json)")
