@@ -696,7 +696,7 @@ def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Option
     Hv, K, V = p.num_v_heads, p.head_dim_k, p.head_dim_v
     eye = None
     if ctx.pre_num_ranks > 0:
-        eye = torch.cat([torch.eye(K, device=dev).expand(1, Hv, K, K), torch.zeros(N - 1, Hv, K, K, device=dev)])
+        eye = torch.cat([_eye(K, Hv, torch.float32, dev), torch.zeros(N - 1, Hv, K, K, device=dev)])
     carry = any(ctx.transit(r) for r in range(ctx.world_size))
     return _LinkLayout(plan=plan, first=segments[0], trailing=sum(segments) if trailing else None, carry=carry,
                        link=Link(trailing, eye), zeros=torch.zeros(Hv * K * (V + (K if carry else 0)), device=dev))
@@ -714,13 +714,10 @@ def _linked_forward(call: _Call, ctx: "CPContext", x, initial_state, want_final:
     from . import kernel_api
     from .forward import linked_output
     dev = x[0].device
-    h_own = initial_state
     if initial_state is not None and ctx.pre_num_ranks > 0:
         with _Side(dev):                            # a read of the side stream: no wait for the caller's later work
-            if bool((initial_state[0] != 0).any()):
-                raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
-        h_own = initial_state.detach().clone()
-        h_own[0] = 0
+            _check_entering_row(ctx, initial_state)
+    h_own = _own_initial_state(ctx, initial_state)
     STATS["linked"] += 1
     problem = call.problem
     Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
@@ -755,6 +752,22 @@ _ROW0_ERROR = ("initial_state row 0 belongs to global sequence {seq}, continued 
                "comes from there, so the row must be zero")
 
 
+def _check_entering_row(ctx: "CPContext", initial_state) -> None:
+    """Refuse a nonzero initial_state row for a sequence continued from an earlier rank (a host read, made only where
+    a state is given; the caller picks the stream it waits for)."""
+    if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
+        raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+
+
+def _own_initial_state(ctx: "CPContext", initial_state):
+    """The initial states this rank's pass starts from: a sequence continued from an earlier rank enters with zero."""
+    if initial_state is None or ctx.pre_num_ranks == 0:
+        return initial_state
+    h_own = initial_state.detach().clone()
+    h_own[0] = 0
+    return h_own
+
+
 @dataclass
 class _Saved:
     x: tuple                  # the call's (q, k, v, g, beta), detached
@@ -769,10 +782,7 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     call returns with its exchange queued, as a plain call returns with its kernels queued."""
     q, k, v, g, beta = x
     # the main pass starts at once: a sequence continued from an earlier rank enters with zero state
-    h_own = initial_state
-    if initial_state is not None and ctx.pre_num_ranks > 0:
-        h_own = initial_state.detach().clone()
-        h_own[0] = 0
+    h_own = _own_initial_state(ctx, initial_state)
     final = want_final or ctx.post_num_ranks > 0        # the leaving state handed to the next rank is its final
     side = _Side(q.device)
     lay = call.layouts.get(exact)
@@ -783,9 +793,8 @@ def _forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, 
     # beside it: the head window and the flags' all-gather, queued on the side stream
     with side, torch.no_grad():
         side.keep(q, k, v, g, beta, initial_state)
-        # checked before any collective, so a refused call leaves no rank waiting (read only where a state is given)
-        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
-            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        # checked before any collective, so a refused call leaves no rank waiting
+        _check_entering_row(ctx, initial_state)
         pieces, miss = _head_windows(call, lay, x)
         side.hand(*(t for p in pieces for t in p.out))
     side.join()                                     # the main stream waits for the pieces, not for the flags
@@ -963,8 +972,7 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     call = _checked_call(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                          backend)
     if not (ctx.world_size > 1 and ctx.has_links):
-        if initial_state is not None and ctx.pre_num_ranks > 0 and bool((initial_state[0] != 0).any()):
-            raise ValueError(_ROW0_ERROR.format(seq=ctx.seq_ids[0], prev=ctx.rank - 1))
+        _check_entering_row(ctx, initial_state)
         return call.run(q, k, v, g, beta, initial_state, output_final_state, ctx.cu_seqlens)
     STATS["calls"] += 1
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
