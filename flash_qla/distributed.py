@@ -655,7 +655,6 @@ class _LinkLayout:
     carry: bool               # B travels: some rank lies inside one sequence
     link: object              # forward.Link (its eye: I for local sequence 0 where it continues from another rank)
     zeros: torch.Tensor       # a payload's worth of zeros (a rank that hands nothing on, B where it holds none)
-    part_of: Optional[torch.Tensor]   # [S, Hv] int32, the output chain's parts (forward.linked_part), or None
 
 
 def _link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Optional[_LinkLayout]:
@@ -671,7 +670,6 @@ def _link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Optional[_L
 
 def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Optional[_LinkLayout]:
     from dataclasses import replace
-    from . import cp
     from .api import select_backend
     from .forward import Link, forward_plan
     from .launch import DTYPE_TAG, supported_head_dims
@@ -700,11 +698,8 @@ def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Option
     if ctx.pre_num_ranks > 0:
         eye = torch.cat([_eye(K, Hv, torch.float32, dev), torch.zeros(N - 1, Hv, K, K, device=dev)])
     carry = any(ctx.transit(r) for r in range(ctx.world_size))
-    S = cp.max_segments(sum(lengths), N, L) + int(trailing)     # the tables' slots (forward._cp_tables)
-    part_of = torch.zeros(S, Hv, device=dev, dtype=torch.int32) if eye is not None else None
     return _LinkLayout(plan=plan, first=segments[0], trailing=sum(segments) if trailing else None, carry=carry,
-                       link=Link(trailing, eye), zeros=torch.zeros(Hv * K * (V + (K if carry else 0)), device=dev),
-                       part_of=part_of)
+                       link=Link(trailing, eye), zeros=torch.zeros(Hv * K * (V + (K if carry else 0)), device=dev))
 
 
 def _linked_forward(call: _Call, ctx: "CPContext", x, initial_state, want_final: bool, lay: _LinkLayout):
@@ -712,15 +707,12 @@ def _linked_forward(call: _Call, ctx: "CPContext", x, initial_state, want_final:
     intra-card CP's combine, a sequence continued from an earlier rank entering with zero state) leaves
     h_in[s] = A[s] + B[s] h_e, affine in the state h_e entering local sequence 0 (forward.Link). The trailing
     segment's A and B, the state leaving the last local sequence and its dependence on h_e, go to every rank in one
-    all-gather; each rank folds its h_e from the earlier ranks' (_entering_state) and its first sequence's entering
-    states A + B h_e. The output chain runs in two parts: at once, on the main stream, every (segment, v-head) chain
-    whose B is zero (forward.linked_part: all but segment 0 for heads whose warm-ups bound the decay; every chain of a
-    rank with no entering state), and, on the high-priority side stream behind the exchange, the fold and B h_e, the
-    chains that waited for h_e. So the ranks' meeting, the all-gather and B h_e run beside the first part of the
-    output chain instead of before it; o and the final states come out exact, no rank waits for another's output
-    pass, and the host work between the parts runs while the GPU runs the first part."""
+    all-gather; each rank folds its h_e from the earlier ranks' (_entering_state), adds B h_e to its first
+    sequence's entering states, then runs the output chain from them. So o and the final states come out of that
+    chain exact, no rank waits for another's output pass, and the host work between the parts runs while the GPU
+    runs the first part."""
     from . import kernel_api
-    from .forward import linked_output, linked_part
+    from .forward import linked_output
     dev = x[0].device
     if initial_state is not None and ctx.pre_num_ranks > 0:
         with _Side(dev):                            # a read of the side stream: no wait for the caller's later work
@@ -740,21 +732,14 @@ def _linked_forward(call: _Call, ctx: "CPContext", x, initial_state, want_final:
             payload = h_in[t].view(-1)
         else:
             payload = torch.cat([h_in[t].view(-1), b[t].view(-1) if ctx.transit(ctx.rank) else lay.zeros[n_c:]])
-        R = lay.first
-        part_of = linked_part(entry.fallback, R, lay.part_of) if b is not None else None
-        side = _Side(dev)                           # forks here: the exchange waits for the first part alone
-        ht = linked_output(entry, dev, part=1 if b is not None else 0, part_of=part_of)
-        with side:
-            side.keep(payload, h_in, b, part_of)
-            rows = _all_gather(ctx, payload)
-            if b is not None:
-                h_e = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V),
-                                      rows[:, n_c:].view(-1, Hv, K, K) if lay.carry else None)
-                # out of place: part 1 still reads h_in
-                h_late = torch.baddbmm(h_in[:R].view(R * Hv, K, V), b[:R].view(R * Hv, K, K),
-                                       h_e.expand(R, Hv, K, V).reshape(R * Hv, K, V))
-                linked_output(entry, dev, part=2, part_of=part_of, h_in=h_late)
-        side.join()
+        rows = _all_gather(ctx, payload)
+        if b is not None:
+            h_e = _entering_state(ctx, rows[:, :n_c].view(-1, Hv, K, V),
+                                  rows[:, n_c:].view(-1, Hv, K, K) if lay.carry else None)
+            R = lay.first
+            h_in[:R].view(R * Hv, K, V).baddbmm_(b[:R].view(R * Hv, K, K),
+                                                 h_e.expand(R, Hv, K, V).reshape(R * Hv, K, V))
+        ht = linked_output(entry, dev)
         if ht is not None:
             ht = kernel_api.per_sequence(problem, ht, dev, "ht")
     return o, ht

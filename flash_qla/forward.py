@@ -199,8 +199,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     else:
         ht = (empty(N, Hv, K, V, device=dev, dtype=torch.float32, output="ht" if returned else None)
               if output_final_state and not (returned and L is not None) else o.new_empty(0))
-    # part 0: the output chain runs every (sequence, v-head) (linked_output's parts split them; part_of unread)
-    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale, "part": 0}
+    sizes = {"T": T, "TC": TC, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale}
     hpc = plan.heads_per_cta if plan is not None and plan.path == "split" else _heads_per_cta(problem, dev)
     # use_qk_l2norm_in_kernel: gdn_prepare normalises its q / k tiles and stores the rows (qn, kn) that the
     # recurrence kernels then read in place of q / k
@@ -228,7 +227,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
                 "p": pqk.data_ptr(), "eg_t": tile_ptr[0], "et_t": tile_ptr[1],
                 "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(),
                 "chunk_offsets": offsets.data_ptr(), "o": o.data_ptr(), "ht": ht.data_ptr(),
-                "seq_order": order.data_ptr(), "state_idx": state_io.index_ptr(cu), "part_of": cu.data_ptr()}
+                "seq_order": order.data_ptr(), "state_idx": state_io.index_ptr(cu)}
 
     def cp_inputs() -> dict:  # what the CP path reads, as tensors (views made only when CP runs)
         return dict(device=dev, gam_t=tile(2), bkk_max=tile(3), cu=cu, offsets=offsets, h0=h0, o=o, ht=ht)
@@ -236,8 +235,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     if link is not None:
         if saved is not None or L is None:
             raise ValueError("internal: a linked forward runs on a forward's intra-card CP plan")
-        named = dict(q=qp, k=kp, v=vp, agb=agb, p=pqk, eg_t=tile(0), et_t=tile(1), seq_order=order, state_idx=cu,
-                     part_of=cu)
+        named = dict(q=qp, k=kp, v=vp, agb=agb, p=pqk, eg_t=tile(0), et_t=tile(1), seq_order=order, state_idx=cu)
         return o, _linked_entry(problem, L, tag, sizes, pointers, cp_inputs(), output_final_state, stream, link,
                                 named), None, (cu, offsets)
     if saved is None and L is not None:
@@ -478,7 +476,6 @@ class Link:
     trailing: bool
     eye: Optional[torch.Tensor] = None
     b: Optional[torch.Tensor] = None    # [S, Hv, K, K] fp32, made by affine_part
-    fallback: Optional[torch.Tensor] = None     # [S, Hv] int32, the tables' (where B carries on), kept there
 
     def affine_part(self, problem: Problem, seg: "cp.Segments", m: torch.Tensor, fallback: torch.Tensor):
         """B's combine on the "link" side stream, beside A's; returns the join of the current stream on it."""
@@ -486,7 +483,6 @@ class Link:
             return None
         dev, K, Hv = m.device, problem.head_dim_k, problem.num_v_heads
         self.b = empty(seg.count, Hv, K, K, device=dev, dtype=torch.float32)
-        self.fallback = fallback
         main, side = torch.cuda.current_stream(dev), side_stream(dev, "link")
         join(side, main)
         launch("gdn_cp_combine", {"K": K, "V": K}, dev,
@@ -508,7 +504,6 @@ class LinkedEntry:
     pointers: dict
     h_in: torch.Tensor
     b: Optional[torch.Tensor]
-    fallback: Optional[torch.Tensor]    # [S, Hv] int32 where b is given (linked_part reads it)
     last: object
     boundary: object
     count: int
@@ -526,30 +521,15 @@ def _linked_entry(problem: Problem, L: int, tag: str, sizes: dict, pointers: dic
     variant = {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}
     chain_sizes = dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0)
     tensors = dict(named, h0=h_in, cu_seqlens=seg.cu, chunk_offsets=seg.slot, o=t["o"], ht=ht_seg)
-    # the entry holds this call's B and tables, not the (kept) Link
-    b, fallback, link.b, link.fallback = link.b, link.fallback, None, None
-    return LinkedEntry(variant, chain_sizes, tensors, h_in, b, fallback, seg.last, t["h0"], S, output_final_state)
+    b, link.b = link.b, None        # the entry holds this call's B, not the (kept) Link
+    return LinkedEntry(variant, chain_sizes, tensors, h_in, b, seg.last, t["h0"], S, output_final_state)
 
 
-def linked_part(fallback: torch.Tensor, first: int, out: torch.Tensor) -> torch.Tensor:
-    """out [S, Hv] int32 (rows from ``first`` on zero): 1 where h_in[s, h] depends on the state entering local
-    sequence 0 (B[s, h] != 0: segment 0, then on while each next segment falls back to its exact transition), so
-    the output chain's part 2 runs it once that state is known and part 1 runs the rest at once."""
-    out[0] = 1
-    if first > 1:
-        torch.cumprod(fallback[1:first], 0, dtype=torch.int32, out=out[1:first])
-    return out
-
-
-def linked_output(entry: LinkedEntry, device: torch.device, part: int = 0, part_of=None,
-                  h_in=None) -> Optional[SegmentStates]:
-    """The linked forward's second part: the output chain into o on the current stream, from entry.h_in (which the
-    caller completed), or, with part 1 or 2, the (sequence, v-head) chains whose part_of is part - 1 (part 2 from
-    h_in, rows [0, first): A + B h_e). Returns the final states as SegmentStates (addresses in a replay), or None."""
-    pointers = {k: address(t) for k, t in entry.pointers.items()}
-    if part:
-        pointers.update(part_of=address(part_of), **({"h0": address(h_in)} if h_in is not None else {}))
-    launch(CHAIN_KERNEL, entry.variant, device, dict(entry.sizes, part=part), pointers, current_stream(device))
+def linked_output(entry: LinkedEntry, device: torch.device) -> Optional[SegmentStates]:
+    """The linked forward's second part: the output chain from entry.h_in (which the caller completed) into o.
+    Returns the final states as SegmentStates (addresses in a replay), or None."""
+    launch(CHAIN_KERNEL, entry.variant, device, entry.sizes, {k: address(t) for k, t in entry.pointers.items()},
+           current_stream(device))
     if not entry.store_ht:
         return None
     return SegmentStates(entry.pointers["ht"], entry.last, entry.last, entry.boundary, entry.count)

@@ -104,10 +104,10 @@ def run_window(problem: Problem, q, k, v, g, beta, use_qk_l2norm: bool, plan: Fo
     return plans.call(key, inputs, dev, current_stream(dev), record, side_stream)
 
 
-def _finish_linked(keys, variant, sizes, count, store_ht, o, h_in, b, fallback, *rest):
+def _finish_linked(keys, variant, sizes, count, store_ht, o, h_in, b, *rest):
     n = len(keys)
-    return o, LinkedEntry(variant, sizes, dict(zip(keys, rest), h0=h_in), h_in, b, fallback, rest[n], rest[n + 1],
-                          count, store_ht)
+    return o, LinkedEntry(variant, sizes, dict(zip(keys, rest), h0=h_in), h_in, b, rest[n], rest[n + 1], count,
+                          store_ht)
 
 
 def run_linked_entry(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool,
@@ -125,7 +125,7 @@ def run_linked_entry(problem: Problem, q, k, v, g, beta, initial_state, cu_seqle
                                  link=link)
         # the output chain's other pointers and the final states' tables pass on as addresses (no views to build)
         rest = {k: t for k, t in entry.pointers.items() if k != "h0"}
-        results = ((o, entry.h_in, entry.b, entry.fallback) + tuple(plans.Address(t) for t in rest.values())
+        results = ((o, entry.h_in, entry.b) + tuple(plans.Address(t) for t in rest.values())
                    + (plans.Address(entry.last), None if entry.boundary is None else plans.Address(entry.boundary)))
         return results, functools.partial(_finish_linked, tuple(rest), entry.variant, entry.sizes, entry.count,
                                           entry.store_ht)

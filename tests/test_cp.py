@@ -222,7 +222,6 @@ def test_linked_forward_algebra_matches_the_recurrence(lengths):
     h_in gives the recurrence over the whole batch: o and final states within the warm-up bound."""
     from types import SimpleNamespace
     from flash_qla.distributed import _entering_state
-    from flash_qla.forward import linked_part
     W, L, hq, hv, K, V = 3, 3, 2, 4, 8, 8
     x = hard_inputs(lengths, hq, hv, K, V)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
@@ -261,7 +260,7 @@ def test_linked_forward_algebra_matches_the_recurrence(lengths):
                         else:
                             a_prev, b_prev = z, torch.zeros(K, K, dtype=torch.float64)
                     A[s, h], B[s, h] = a_prev, b_prev
-        ranks.append(SimpleNamespace(lo=lo, local=local, pre=pre, seg=seg, row=row, A=A, B=B, fallback=fallback,
+        ranks.append(SimpleNamespace(lo=lo, local=local, pre=pre, seg=seg, row=row, A=A, B=B,
                                      transit=pre and post and len(local) == 1))
     # the all-gather's rows, then each rank's fold
     Cs = torch.stack([rk.A[rk.row] if rk.row is not None else torch.zeros(hv, K, V, dtype=torch.float64)
@@ -270,18 +269,14 @@ def test_linked_forward_algebra_matches_the_recurrence(lengths):
     carry = any(rk.transit for rk in ranks)
     assert carry == (len(lengths) == 1)
     o = torch.zeros_like(o_ref[0])
-    finals, mixed = [], []
+    finals = []
     for r, rk in enumerate(ranks):
         h_in = rk.A.clone()
         if rk.pre:
             pre_num = r - max(c for c in cu_g if c <= rk.lo) // P      # ranks back to where the sequence starts
             h_e = _entering_state(SimpleNamespace(rank=r, pre_num_ranks=pre_num), Cs, Ms if carry else None)
             first = int(rk.seg.base[1])
-            # the output chain's parts: part 2 (the chains that wait for h_e) is exactly where B is not zero
-            part = linked_part(rk.fallback, first, torch.zeros(rk.seg.count, hv, dtype=torch.int32))
-            assert torch.equal(part.bool(), rk.B.ne(0).flatten(2).any(-1)), r
-            mixed.append(bool(part[1:first].eq(0).any()) and bool(part[1:first].any()))
-            h_in = torch.where(part[..., None, None].bool(), h_in + torch.matmul(rk.B, h_e), h_in)
+            h_in[:first] += torch.matmul(rk.B[:first], h_e)
         for n in range(len(rk.local)):
             for h in range(hv):
                 for s in range(int(rk.seg.base[n]), int(rk.seg.last[n]) + 1):
@@ -290,7 +285,6 @@ def test_linked_forward_algebra_matches_the_recurrence(lengths):
                 if rk.lo + sum(rk.local[:n + 1]) in cu_g:   # the sequence ends on this rank
                     finals.append((cu_g.index(rk.lo + sum(rk.local[:n + 1])) - 1, h, state))
     assert float((o - o_ref[0]).norm() / o_ref[0].norm()) < 1e-4
-    assert any(mixed)                   # some rank's later segments split between the parts by head
     assert len(finals) == len(lengths) * hv
     for n, h, state in finals:
         assert float((state - ht_ref[n, h]).norm() / ht_ref[n, h].norm()) < 1e-4, (n, h)

@@ -204,9 +204,8 @@ def test_linked_forward_parts_match_fp64(lengths, L, variant, monkeypatch):
     """Multi-GPU CP's linked forward on one GPU (forward.Link, kernel_api.run_linked_entry; the distributed path adds
     the exchange): part one with sequence 0 entering at zero, the trailing segment and B (gdn_cp_combine's zero_z);
     then h_in += B h_e and the output chain give the forward whose sequence 0 enters with h_e: o and the final states
-    against the fp64 reference, the trailing row's A + B h_e against the last sequence's final state. The replay runs
-    the output chain in its two parts (forward.linked_part: part 2 exactly where B is not zero) and repeats the whole
-    chain's results bit for bit. NaN-poisoned buffers."""
+    against the fp64 reference, the trailing row's A + B h_e against the last sequence's final state. NaN-poisoned
+    buffers; the recorded plan's replay repeats the recording bit for bit."""
     from flash_qla import kernel_api, validation
     tag, K, V = variant
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
@@ -223,24 +222,15 @@ def test_linked_forward_parts_match_fp64(lengths, L, variant, monkeypatch):
     segments = [-(-(-(-n // 64)) // L) for n in lengths]
     o_ref, ht_ref = fp64_reference(x)
     runs = []
-    for parts in (False, True):  # recorded, then replayed; the output chain whole, then in its two parts
+    for _ in range(2):  # recorded, then replayed
         o, entry = kernel_api.run_linked_entry(problem, *args, h_own, x["cu_seqlens"], False, plan,
                                                fwd.Link(True, eye), True)
         h_in, b = entry.h_in, entry.b
         leaving = h_in[sum(segments)] + (b[sum(segments)] @ h_e if N == 1 else 0)
         assert reference.relative_l2(leaving, ht_ref[-1]) <= TOL[dtype], "trailing row"
         R = segments[0]
-        if parts:   # part 1 from A, part 2 from A + B h_e out of place, as the distributed path runs them
-            part_of = fwd.linked_part(entry.fallback, R, torch.zeros(entry.count, hv, dtype=torch.int32,
-                                                                     device="cuda"))
-            assert torch.equal(part_of.bool(), b.ne(0).flatten(2).any(-1)), "part 2 is where B is not zero"
-            assert bool(part_of[0].all()) and 0 < int(part_of.sum()) < entry.count * hv
-            states = fwd.linked_output(entry, x["q"].device, part=1, part_of=part_of)
-            fwd.linked_output(entry, x["q"].device, part=2, part_of=part_of, h_in=h_in[:R] + torch.matmul(b[:R], h_e))
-        else:
-            h_in[:R] += torch.matmul(b[:R], h_e)
-            states = fwd.linked_output(entry, x["q"].device)
-        ht = kernel_api.per_sequence(problem, states, x["q"].device, "ht")
+        h_in[:R] += torch.matmul(b[:R], h_e)
+        ht = kernel_api.per_sequence(problem, fwd.linked_output(entry, x["q"].device), x["q"].device, "ht")
         assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
         assert reference.relative_l2(o, o_ref) <= TOL[dtype], "o"
         assert reference.relative_l2(ht, ht_ref) <= TOL[dtype], "final states"

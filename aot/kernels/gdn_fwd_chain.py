@@ -21,10 +21,6 @@ layout); with state_mode & READ_INDEXED sequence n starts from h0[state_idx[n]] 
 from zero) and with WRITE_INDEXED its final state goes to ht[state_idx[n]] (nothing for a negative slot): serving
 engines' pools are read and written in place, with no gather or scatter around the call. S^T's accumulator layout
 meets both layouts in full 32-byte sectors (a quad's two-column pairs; a warp's eight rows).
-Parts (mode "out", multi-GPU CP's linked forward): with part = 0 every (n, h) chain runs; with part = 1 or 2 only
-those with part_of[n, h] == part - 1, the others running no chunk and storing nothing, so two launches over the same
-sequences split the chains between them (the chains whose entering state waits on another rank run in the second,
-beside the first).
 CP pre-pass builds (no q, P or output): "state" runs the state-only chain from S = 0 over the chunk range that
 ENDS where segment n begins (cu_seqlens[n]) and starts at start[n, h] (the gate-driven warm-up), into ht[n];
 "trans" the same range with V = 0 and S = I (V = K), the range's exact transition M, for the heads whose
@@ -129,8 +125,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
         state_mode: T.int32,
         stop: T.int32,
         decay_bound: T.float32,
-        part: T.int32,
-        part_of: T.Tensor((N, Hv), "int32"),
     ):
         with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
             if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
@@ -163,8 +157,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             hk = T.alloc_var("int32")
             c0 = T.alloc_var("int32")
             srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot
-            run = T.alloc_var("int32")   # this (n, h) chain runs (always, but in a part of mode "out")
-            run = 1
             if window:
                 seq_end = T.alloc_var("int32")  # the sequence's end; the chain's (eos) may come before it
                 g_sum = T.alloc_var("float32")  # the walk's summed g, largest beta |k|^2, and chunks to the bound
@@ -205,11 +197,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                                 bk_max = T.max(bk_max, big[u])
                     if reach > 0 and bk_max <= 2.0:
                         eos = T.min(bos + reach * C, seq_end)
-                if mode == "out":  # compile time: a part of the (n, h) chains runs, the rest store nothing
-                    if part != 0:       # nested: part_of is not read (nor need it be a table) where part = 0
-                        if part_of[n, h] != part - 1:
-                            run = 0
-                            eos = bos
             slot0 = c0 * C
             hk = h // (Hv // Hq)
             v0 = bv * BV
@@ -218,7 +205,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             if homogeneous:  # S = I (V = K): S^T's rows are the block's columns of the identity
                 for d, kk in T.Parallel(BV, K):
                     st[d, kk] = T.if_then_else(kk == v0 + d, 1.0, 0.0)
-            elif use_h0 != 0 and run != 0:     # a chain outside the part reads no h0 row (its h0 may not hold it)
+            elif use_h0 != 0:
                 srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
                 if srow < 0:  # a padding entry of the pool's index table: zero state
                     T.clear(st)
@@ -321,7 +308,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             if cp:  # the pre-pass's per-segment results: internal, [S, Hv, K, V]
                 for d, kk in T.Parallel(BV, K):
                     ht[n, h, kk * V + v0 + d] = st[d, kk]
-            elif store_ht != 0 and run != 0:
+            elif store_ht != 0:
                 srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
                 if srow >= 0:  # a padding entry writes nothing
                     if (state_mode & V_FIRST) != 0:
