@@ -543,7 +543,7 @@ def _entering_state(ctx: "CPContext", Cs, Ms) -> torch.Tensor:
     j = ctx.rank - ctx.pre_num_ranks
     h = Cs[j]
     for s in range(j + 1, ctx.rank):
-        h = Cs[s] + Ms[s] @ h
+        h = torch.baddbmm(Cs[s], Ms[s], h)          # C + M h in one product (its epilogue adds C)
     return h
 
 
