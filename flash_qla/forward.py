@@ -450,20 +450,26 @@ def _cp_forward(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict,
                 stream) -> torch.Tensor:
     """The forward's state recurrence with intra-card CP (flash_qla/cp.py): pre-pass, combine, then gdn_fwd_chain
     over the segments as independent sequences. Returns the final state ([N, Hv, K, V] or empty)."""
-    dev = t["device"]
-    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
     seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream)
-    S = seg.count
-    ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
-    bv = _block_v(problem, tag, dev, chains_per_head=S)
-    launch(CHAIN_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}, dev,
-            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0),
-            dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
-                 ht=ht_seg.data_ptr()), stream)
+    variant, chain_sizes, ht_seg = _segment_chain(problem, tag, sizes, seg, output_final_state, t)
+    launch(CHAIN_KERNEL, variant, t["device"], chain_sizes,
+           dict(pointers, cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr(),
+                ht=ht_seg.data_ptr()), stream)
     if not output_final_state:
         return t["ht"]
     # a zero-length sequence keeps its initial state
-    return SegmentStates(ht_seg, seg.last, seg.last, t["h0"], S)
+    return SegmentStates(ht_seg, seg.last, seg.last, t["h0"], seg.count)
+
+
+def _segment_chain(problem: Problem, tag: str, sizes: dict, seg: "cp.Segments", output_final_state: bool, t: dict):
+    """The CP output chain over the segments as independent sequences, from h_in: (variant, sizes, the per-segment
+    final states [S, Hv, K, V] fp32, or o's buffer standing in where none is kept)."""
+    dev, S = t["device"], seg.count
+    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
+    ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
+    bv = _block_v(problem, tag, dev, chains_per_head=S)
+    return ({"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"},
+            dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0), ht_seg)
 
 
 @dataclass
@@ -512,17 +518,11 @@ class LinkedEntry:
 
 def _linked_entry(problem: Problem, L: int, tag: str, sizes: dict, pointers: dict, t: dict, output_final_state: bool,
                   stream, link: Link, named: dict) -> LinkedEntry:
-    dev = t["device"]
-    Hv, K, V = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v
     seg, h_in, _ = _cp_entry_states(problem, L, tag, sizes, pointers, t, stream, link=link)
-    S = seg.count
-    ht_seg = empty(S, Hv, K, V, device=dev, dtype=torch.float32) if output_final_state else t["o"]
-    bv = _block_v(problem, tag, dev, chains_per_head=S)
-    variant = {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "out"}
-    chain_sizes = dict(sizes, N=S, use_h0=1, store_ht=int(output_final_state), h0_rows=S, ht_rows=S, state_mode=0)
+    variant, chain_sizes, ht_seg = _segment_chain(problem, tag, sizes, seg, output_final_state, t)
     tensors = dict(named, h0=h_in, cu_seqlens=seg.cu, chunk_offsets=seg.slot, o=t["o"], ht=ht_seg)
     b, link.b = link.b, None        # the entry holds this call's B, not the (kept) Link
-    return LinkedEntry(variant, chain_sizes, tensors, h_in, b, seg.last, t["h0"], S, output_final_state)
+    return LinkedEntry(variant, chain_sizes, tensors, h_in, b, seg.last, t["h0"], seg.count, output_final_state)
 
 
 def linked_output(entry: LinkedEntry, device: torch.device) -> Optional[SegmentStates]:
