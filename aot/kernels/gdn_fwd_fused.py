@@ -45,7 +45,7 @@ VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
-OUT_ROWS_PER_PASS = 16   # a consumer warpgroup stores its 64 O columns as 8 threads x 16 bytes per row
+OUT_ROWS_PER_PASS = 16   # a sequence's last, partial chunk: 64 O columns stored as 8 threads x 16 bytes per row
 OUT_BARRIER = 8          # + consumer warpgroup: its O staging
 AUX_BARRIER = 12         # the aux warpgroup's own
 LOG2E = 1.4426950408889634
@@ -60,11 +60,34 @@ STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to 
 # with fewer SMs (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
 PERSISTENT_CTAS = 528
 PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
-# an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes)
-PREFETCH_L2 = r"""
+# fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes).
+# fqla_stsm_t_*: four 8 x 8 blocks of a thread's O^T accumulator (blocks 2 j and 2 j + 1 of 8 columns, both 8-row
+# halves: its values 8 j .. 8 j + 7) rounded and stored transposed (stmatrix .trans), one instruction where 2-byte
+# stores took sixteen
+PRELUDE = r"""
 __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
+// two floats as a 16-bit pair, the first at the lower address
+__device__ __forceinline__ unsigned fqla_pack_bf16(float a, float b) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+__device__ __forceinline__ unsigned fqla_pack_fp16(float a, float b) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+#define FQLA_STSM_T(NAME, PACK) \
+__device__ __forceinline__ void NAME(void* p, const float* a, int j) { \
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" :: "r"(s), \
+               "r"(PACK(a[8 * j], a[8 * j + 1])), "r"(PACK(a[8 * j + 2], a[8 * j + 3])), \
+               "r"(PACK(a[8 * j + 4], a[8 * j + 5])), "r"(PACK(a[8 * j + 6], a[8 * j + 7])) : "memory"); \
+}
+FQLA_STSM_T(fqla_stsm_t_bf16, fqla_pack_bf16)
+FQLA_STSM_T(fqla_stsm_t_fp16, fqla_pack_fp16)
 """
 
 
@@ -110,7 +133,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         gate_mode: T.int32,
         max_ctas: T.int32,         # the persistent grid's size cap (the host's: PERSISTENT_CTAS or one per SM)
     ):
-        with T.Kernel(T.min(N * Hv * NB, max_ctas), threads=THREADS, prelude=PREFETCH_L2) as (cta,):
+        with T.Kernel(T.min(N * Hv * NB, max_ctas), threads=THREADS, prelude=PRELUDE) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
             k_s = T.alloc_shared((stages, C, K), dt)
             v_s = T.alloc_shared((stages, C, BV), dt)
@@ -124,15 +147,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             egq_s = T.alloc_shared((stages, C), "float32") if l2norm else eg_s
             et_s = T.alloc_shared((stages, C), "float32")
             rn_s = T.alloc_shared((2, C), "float32")  # the aux's 1 / |k_i|, 1 / |q_i| (use_qk_l2norm_in_kernel)
-            # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes (bank conflicts)
-            o_s = T.alloc_shared((C, BV + 8), dt)
+            # O staged for its TMA store: warpgroup wg's 64 x 64 box at rows wg * C (swizzled: the transposed
+            # stmatrix rows land in distinct banks)
+            o_s = T.alloc_shared((NC * C, 64), dt)
             # the aux warpgroup's scratch: K K^T and the inverse in fp32 (rows padded: the MMA-layout stores and the
             # fragment loads of the block products hit different banks), the products' intermediate
             kk_s = T.alloc_shared((C, C + 4), "float32")
             ainv = T.alloc_shared((C, C + 4), "float32")
             tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
             stb_s = T.alloc_shared((BV, K), dt) if NC > 1 else None
-            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
             if NC > 1:
                 T.annotate_layout({stb_s: make_swizzled_layout(stb_s)})
             full = T.alloc_barrier([32] * stages)
@@ -322,6 +346,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 vnt = T.alloc_fragment((BV, C), "float32")
                 vnt_b = T.alloc_fragment((BV, C), dt)
                 vdt_b = T.alloc_fragment((BV, C), dt)
+
                 egl = T.alloc_local((1,), "float32")
                 srow = T.alloc_var("int32")  # h0's / ht's row: the sequence, or its pool slot (negative: none)
                 cc = T.alloc_var("int32")    # the CTA's chunks done: stage and barrier phase
@@ -364,17 +389,18 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             T.fence_proxy_async()
                             T.sync_threads(STATE_BARRIER + wg, 128)
                         T.barrier_wait(ready[s], (cc // stages) % 2)
+                        # S K^T and S Q^T together: the second runs while W is made from the first
                         T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(0)
+                        T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
                         T.warpgroup_fence_operand(kst, num_regs=C // 2)
                         for d, i in T.Parallel(BV, C):
                             wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
                         T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)
+                        T.wait_wgmma(0)
                         T.warpgroup_fence_operand(vnt, num_regs=C // 2)
                         for d, i in T.Parallel(BV, C):
                             vnt_b[d, i] = T.cast(vnt[d, i], dt)
@@ -385,30 +411,48 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             egl[0] = eg_s[s, valid - 1]
                         for d, kk_ in T.Parallel(BV, K):
                             st[d, kk_] = st[d, kk_] * egl[0]
-                        T.wait_wgmma(0)
                         T.warpgroup_fence_operand(qst, num_regs=C // 2)
                         for d, i in T.Parallel(BV, C):
                             qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
-                        T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
+                        # O's product first: O leaves while the state update runs
                         T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
+                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                        # O staged in o_s and stored by one TMA store a warpgroup (its own 64 columns); a sequence's
+                        # partial last chunk by 16-byte stores of its valid rows (a box would write the next
+                        # sequence's). At BV = 128 the barrier below also orders the chunk's tensor-core reads of st_b
+                        # before the next chunk's writes.
+                        if cc > 0:
+                            if ct % 128 == 0:  # the previous chunk's TMA store has read its rows
+                                T.tma_store_wait(0)
+                            T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
+                        # qst's storage (its .data: the wgmma accumulator's order) holds, at 4 j + 2 h + e, row
+                        # 16 warp + 8 h + lane / 4 and column 8 j + 2 (lane % 4) + e; lane l of each 8 addresses the
+                        # row 8 j + l % 8 of o_s that its block's column l % 8 becomes
+                        lane = ct % 32
+                        for jj in T.unroll(C // 16):
+                            T.call_extern("handle", "fqla_stsm_t_" + dtype,
+                                          T.address_of(o_s[wg * C + 16 * jj + lane // 16 * 8 + lane % 8,
+                                                           ct % 128 // 32 * 16 + lane // 8 % 2 * 8]),
+                                          qst.data, jj)
+                        T.fence_proxy_async()
+                        T.sync_threads(OUT_BARRIER + wg, 128)
+                        if valid == C:
+                            if ct % 128 < 32:  # one elected thread, the one that waits for it above
+                                T.tma_copy(o_s[wg * C:wg * C + C, :],
+                                           o[t0:t0 + C, h, vb * BV + wg * 64:vb * BV + wg * 64 + 64],
+                                           leader_scope_threads=32)
+                        else:
+                            col = ct % 8 * 8
+                            for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                                row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
+                                if row < valid:
+                                    for u in T.vectorized(8):
+                                        o[t0 + row, h, vb * BV + wg * 64 + col + u] = o_s[wg * C + row, col + u]
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(st, num_regs=K // 2)
-                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
                         T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
-                        # O staged as rows, then stored 16 bytes a thread
-                        # (each consumer warpgroup its own 64 columns; at BV = 128 this barrier also orders the chunk's
-                        # last tensor-core reads of st_b before the next chunk's writes)
-                        if cc > 0:
-                            T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
-                        for d, i in T.Parallel(BV, C):
-                            o_s[i, d] = T.cast(qst[d, i], dt)
-                        T.sync_threads(OUT_BARRIER + wg, 128)
-                        col = wg * 64 + ct % 8 * 8
-                        for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-                            row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
-                            if row < valid:
-                                for u in T.vectorized(8):
-                                    o[t0 + row, h, vb * BV + col + u] = o_s[row, col + u]
                         cc = cc + 1
                     srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
                     if store_ht != 0 and srow >= 0:
@@ -418,5 +462,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         else:
                             for d, kk_ in T.Parallel(BV, K):
                                 ht[srow, h, kk_ * V + vb * BV + d] = st[d, kk_]
+                if ct % 128 == 0:  # o_s stays until the last TMA store has read it
+                    T.tma_store_wait(0)
 
     return gdn_fwd_fused
