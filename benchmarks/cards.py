@@ -5,6 +5,9 @@
         qla.jsonl, fla.jsonl, fi.jsonl
                               the peers (FlashQLA, FLA, FlashInfer), timed in the same call on the same card
         host_overhead.json    host cost of one call (optional)
+        ncu.jsonl             scripts/ncu_summary.py's rows (optional)
+        short_batches.jsonl   scripts/short_batch_sweep.py merge: batches of short sequences, ours beside the peers
+                              (optional)
         *.log                 validation and sanitizer logs (optional; their summary lines are quoted)
 
 Every JSONL line is one matrix row: lib, version, device, pass_, model, hq, hv, seqs, eager_ms, graph_ms,
@@ -52,6 +55,16 @@ def load_jsonl(path: Path) -> List[dict]:
     return records
 
 
+def _plain_jsonl(path: Path) -> List[dict]:
+    """An optional file's JSON lines, any schema (none when the file is absent)."""
+    if not path.is_file():
+        return []
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise CardError(f"{path}: not JSON ({exc.msg})") from None
+
+
 def by_key(records: List[dict]) -> Dict[str, dict]:
     """Index records by ``pass|model|seqs``; a later record for the same row replaces an earlier one."""
     return {row_key(r["pass_"], r["model"], r["seqs"]): r for r in records}
@@ -66,6 +79,7 @@ class Card:
     host_cost: Optional[dict] = None
     log_summaries: Dict[str, List[str]] = field(default_factory=dict)
     ncu: List[dict] = field(default_factory=list)  # scripts/ncu_summary.py's rows (ncu.jsonl)
+    short_batches: List[dict] = field(default_factory=list)  # short_batch_sweep.py merge's "compare" rows
 
     @property
     def devices(self) -> List[str]:
@@ -105,12 +119,8 @@ def load_card(path: str) -> Card:
             card.host_cost = json.loads(host.read_text())
         except json.JSONDecodeError as exc:
             raise CardError(f"{host}: not JSON ({exc.msg})") from None
-    ncu = folder / "ncu.jsonl"
-    if ncu.is_file():
-        try:
-            card.ncu = [json.loads(line) for line in ncu.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise CardError(f"{ncu}: not JSON ({exc.msg})") from None
+    card.ncu = _plain_jsonl(folder / "ncu.jsonl")
+    card.short_batches = [r for r in _plain_jsonl(folder / "short_batches.jsonl") if r.get("lib") == "compare"]
     for log in sorted(folder.glob("*.log")):
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if SUMMARY_LINE.search(ln)]
         card.log_summaries[log.name] = lines

@@ -11,6 +11,7 @@ regenerating from unchanged files changes nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -182,6 +183,34 @@ def ncu_section(card: Card) -> List[str]:
     return lines
 
 
+def short_batch_section(card: Card) -> List[str]:
+    """Batches of short sequences: ours against the best peer per shape, one table row per model and batch size."""
+    rows = [r for r in card.short_batches if r.get("ratio")]  # best peer's graph time / ours (the merge's)
+    if not rows:
+        return []
+    ratios = [r["ratio"] for r in rows]
+    worst = min(rows, key=lambda r: r["ratio"])
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    lengths = sorted({r["tokens_per_seq"] for r in rows})
+    lines = ["", "### Batches of short sequences", "",
+             f"From `{card.path.name}/short_batches.jsonl` (`scripts/short_batch_sweep.py`): one varlen call of N "
+             "sequences of the same length; CUDA-graph ms of ours and x = the best peer's time over ours (the "
+             "peer named).", "",
+             f"- x best peer geomean {geomean:.3f}x (min {min(ratios):.3f}x: {worst['model']} {worst['seqs']} x "
+             f"{worst['tokens_per_seq']}); {sum(x > 1.0 for x in ratios)}/{len(ratios)} rows ahead, "
+             f"{sum(x == 1.0 for x in ratios)} level", "",
+             _md_row(["model", "sequences"] + [f"{n} tokens" for n in lengths]),
+             _md_row(["---", "---:"] + ["---:"] * len(lengths))]
+    table = {}
+    for r in rows:
+        table.setdefault((r["model"], r["seqs"]), {})[r["tokens_per_seq"]] = r
+    for (model, seqs), by_len in table.items():
+        cells = [f"{by_len[n]['ours_ms']:.4f} ({by_len[n]['ratio']:.2f}x {by_len[n]['best_peer']})" if n in by_len
+                 else DASH for n in lengths]
+        lines.append(_md_row([model, str(seqs)] + cells))
+    return lines
+
+
 def logs_section(card: Card) -> List[str]:
     if not card.log_summaries:
         return []
@@ -210,7 +239,7 @@ def card_section(matrix: dict, card: Card, plots: Dict[str, List[str]], out_dir:
             rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
             kind = os.path.basename(path)[:-len(".png")].rsplit("_", 1)[-1]
             lines += ["", f"![{title} {pass_} {kind}]({rel})"]
-    return lines + host_cost_section(card) + ncu_section(card) + logs_section(card)
+    return lines + host_cost_section(card) + short_batch_section(card) + ncu_section(card) + logs_section(card)
 
 
 def build_report(matrix: dict, cards: Sequence[Card], plots: Dict[str, Dict[str, List[str]]],

@@ -161,6 +161,28 @@ def test_wrong_card_backend_and_bad_folders_are_named(tmp_path):
     assert report.main([str(tmp_path / "h100"), str(tmp_path / "again" / "h100"), "--out", str(out)]) == 2
 
 
+def test_short_batch_section(tmp_path):
+    """short_batches.jsonl's compare rows become one table row per (model, batch), a cell per length."""
+    make_card(tmp_path / "h200", logs=False)
+    cmp = lambda model, seqs, t, ours, peer, lib: dict(  # noqa: E731
+        lib="compare", model=model, hq=2, hv=8, seqs=seqs, tokens_per_seq=t, ours_ms=ours, best_peer=lib,
+        best_peer_ms=peer, ratio=round(peer / ours, 4))
+    rows = [cmp("TP8", 16, 8, 0.0100, 0.0120, "fi"), cmp("TP8", 16, 64, 0.0200, 0.0190, "fi"),
+            cmp("TP8", 64, 8, 0.0400, 0.0400, "qla"),
+            dict(lib="ours", model="TP8", seqs=16, tokens_per_seq=8, ms=0.0100)]  # a timing row: not tabulated
+    (tmp_path / "h200" / "short_batches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "B.md"
+    assert report.main([str(tmp_path / "h200"), "--out", str(out), "--no-plots"]) == 0
+    section = out.read_text().split("### Batches of short sequences", 1)[1].split("\n### ", 1)[0]
+    geomean = (1.2 * (0.019 / 0.02) * 1.0) ** (1 / 3)
+    assert f"geomean {geomean:.3f}x (min 0.950x: TP8 16 x 64); 1/3 rows ahead, 1 level" in section
+    table = [line for line in section.splitlines() if line.startswith("| ")]
+    assert table[0] == "| model | sequences | 8 tokens | 64 tokens |"
+    assert table[2] == "| TP8 | 16 | 0.0100 (1.20x fi) | 0.0200 (0.95x fi) |"
+    assert table[3] == "| TP8 | 64 | 0.0400 (1.00x qla) | – |"
+    assert len(table) == 4
+
+
 def test_committed_results_render(tmp_path):
     """The committed folders are valid input (what BENCHMARKS.md is generated from)."""
     folders = sorted(p for p in (ROOT / "bench" / "results").iterdir() if (p / "ours.jsonl").is_file())
