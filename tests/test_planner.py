@@ -7,8 +7,8 @@ import pytest
 from conftest import repo_text
 
 from flash_qla.cp import SEGMENT_CHUNKS
-from flash_qla.planner import (OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v, plan_forward,
-                               plan_heads_per_cta, plan_irregular_block_v)
+from flash_qla.planner import (FUSED_FIT_US, OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
+                               plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -90,6 +90,18 @@ def test_forward_plan_pins_narrow_the_choice():
     assert forward_plan(32768, 8, 8, 32, l2norm=True, fused=(64,), path="fused", block_v=128).block_v == 64
     with pytest.raises(ValueError, match="no forward plan"):
         forward_plan(32768, 8, 8, 32, fused=(), path="fused")
+
+
+def test_unequal_lengths_plan_the_longest_sequence_in_rounds_of_its_own():
+    """14336 + 2048 tokens at 96 v-heads with the lengths on the host: the long sequence's 192 BV = 64 chains need two
+    rounds of 132 SMs at its 224 chunks, which the fused kernel measured (1.30 ms against 1.08 for prepare + chain at
+    BV = 128, plan_sweep_l2norm.jsonl); the prediction holds that bound and the plan leaves the fused kernel."""
+    fused64 = forward_plan(16384, 2, 24, 96, l2norm=True, fused=(64,), path="fused", longest=14336)
+    assert fused64.predicted_us >= 2 * 224 * FUSED_FIT_US[64][0]
+    assert forward_plan(16384, 2, 24, 96, l2norm=True, fused=(64,), longest=14336).path == "split"
+    # equal lengths: one sequence's chains are a round's share, so nothing changes
+    equal = forward_plan(16384, 2, 24, 96, l2norm=True, fused=(64,), path="fused", longest=8192)
+    assert equal.predicted_us == forward_plan(16384, 2, 24, 96, l2norm=True, fused=(64,), path="fused").predicted_us
 
 
 def test_heads_per_cta_divides_the_gva_ratio():
