@@ -84,7 +84,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-WARMUP_LOG_DECAY = -10.0          # the truncation bound of flash_qla.cp: e^-10 ~ 4.5e-5, below bf16 resolution
+from .cp import CHUNK, WARMUP_LOG_DECAY   # the truncation bound: e^-10 ~ 4.5e-5, below bf16 resolution
+
 TRANSITION_NORM_BOUND = math.exp(WARMUP_LOG_DECAY)
 WARMUP_TOKENS = 8192              # the head window: g = 0 heads with random unit keys in K = 128 forget in ~4.5k
 SHORT_TOKENS = 1024               # the short window, for the heads whose gate alone bounds it
@@ -487,7 +488,7 @@ class _Boundary:
 def _all_gather(ctx: "CPContext", payload: torch.Tensor) -> torch.Tensor:
     """Every rank's payload, [world, n]: one all-gather into one buffer."""
     out = payload.new_empty(ctx.world_size * payload.numel())
-    _GATHER_SINGLE(out, payload, group=ctx.group)
+    _gather_single(out, payload, group=ctx.group)
     return out.view(ctx.world_size, -1)
 
 
@@ -515,6 +516,7 @@ def _pass_on(ctx: "CPContext", send: Optional[torch.Tensor], shape: tuple, dtype
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); earlier versions have only the latter
 _PUBLIC_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_GATHER_OPTIONS = getattr(dist, "AllgatherOptions", None) or getattr(dist.distributed_c10d, "AllgatherOptions", None)
 
 
 def _gather_single(out: torch.Tensor, payload: torch.Tensor, group=None) -> None:
@@ -530,10 +532,6 @@ def _gather_single(out: torch.Tensor, payload: torch.Tensor, group=None) -> None
                 work.wait()                 # the current stream waits; the host does not
             return
     _PUBLIC_GATHER(out, payload, group=group)
-
-
-_GATHER_OPTIONS = getattr(dist, "AllgatherOptions", None) or getattr(dist.distributed_c10d, "AllgatherOptions", None)
-_GATHER_SINGLE = _gather_single
 
 
 def _entering_state(ctx: "CPContext", Cs, Ms) -> torch.Tensor:
@@ -678,7 +676,7 @@ def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Option
     if not (q.is_cuda and ctx.lengths_all and q.dtype in DTYPE_TAG
             and select_backend(q.device, call.backend) == "kernels"):
         return None
-    if any(post > 0 and n[-1] % 64 for n, post in zip(ctx.lengths_all, ctx.post_all)):
+    if any(post > 0 and n[-1] % CHUNK for n, post in zip(ctx.lengths_all, ctx.post_all)):
         return None
     try:                                # inputs the kernels refuse: the windowed path raises the error
         validate_kernel_inputs(call.problem, q, x[3], x[4], initial_state, supported_head_dims())
@@ -690,7 +688,7 @@ def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Option
         return None
     plan = plans[ctx.rank]
     L, lengths = plan.segment_chunks, ctx.lengths_all[ctx.rank]
-    segments = [-(-(-(-n // 64)) // L) for n in lengths]
+    segments = [math.ceil(math.ceil(n / CHUNK) / L) for n in lengths]   # each sequence's (cp.segment_tables)
     trailing = ctx.post_num_ranks > 0
     p, N, dev = call.problem, len(lengths), q.device
     Hv, K, V = p.num_v_heads, p.head_dim_k, p.head_dim_v

@@ -70,7 +70,7 @@ def main() -> None:
 
 
 def run(args, shard) -> None:
-    cpd._GATHER_SINGLE = copy_gather
+    cpd._gather_single = copy_gather
     cpd._pass_on = copy_pass_on
     hq, hv = map(int, args.heads.split("/"))
     P, r, world = args.tokens, args.rank, args.world

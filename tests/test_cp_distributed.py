@@ -93,7 +93,7 @@ HANDED_ON = {"crossing_default", "transit_windows_32", "transit_windows_64", "bo
 def _check_case(rank, world, case):
     before = dict(cpd.STATS)
     gathered, handed = [], []
-    gather, pass_on = cpd._GATHER_SINGLE, cpd._pass_on
+    gather, pass_on = cpd._gather_single, cpd._pass_on
 
     def counting_gather(out, payload, group=None):
         gathered.append(payload.numel())
@@ -102,14 +102,14 @@ def _check_case(rank, world, case):
     def counting_pass_on(*args, **kwargs):
         handed.append(kwargs.get("reverse", False))
         return pass_on(*args, **kwargs)
-    cpd._GATHER_SINGLE, cpd._pass_on = counting_gather, counting_pass_on
+    cpd._gather_single, cpd._pass_on = counting_gather, counting_pass_on
     short = cpd.SHORT_TOKENS
     if case[0] == "stopped_windows":    # windows up to SHORT_TOKENS are not split by the gate: whole, with stops
         cpd.SHORT_TOKENS = 1024
     try:
         _run_case(rank, world, case)
     finally:
-        cpd._GATHER_SINGLE, cpd._pass_on = gather, pass_on
+        cpd._gather_single, cpd._pass_on = gather, pass_on
         cpd.SHORT_TOKENS = short
     if case[0] in HANDED_ON:        # three forwards (the call, the routed and the direct call) and one backward
         assert gathered == [1, 1, 1] and sorted(handed) == [False] * 3 + [True], (case[0], rank, gathered, handed)
