@@ -63,7 +63,8 @@ PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial s
 # fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes).
 # fqla_stsm_t_*: four 8 x 8 blocks of a thread's O^T accumulator (blocks 2 j and 2 j + 1 of 8 columns, both 8-row
 # halves: its values 8 j .. 8 j + 7) rounded and stored transposed (stmatrix .trans), one instruction where 2-byte
-# stores took sixteen
+# stores took sixteen; fqla_stsm_*: the same blocks stored as they are (the aux's P).
+# fqla_wt_*: W^T's blocks 2 j, 2 j + 1 made from V^T's by one ldmatrix .trans, where 2-byte loads took thirty-two.
 PRELUDE = r"""
 __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
@@ -88,6 +89,43 @@ __device__ __forceinline__ void NAME(void* p, const float* a, int j) { \
 }
 FQLA_STSM_T(fqla_stsm_t_bf16, fqla_pack_bf16)
 FQLA_STSM_T(fqla_stsm_t_fp16, fqla_pack_fp16)
+__device__ __forceinline__ float fqla_bf16_lo(unsigned r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float fqla_bf16_hi(unsigned r) { return __uint_as_float(r & 0xFFFF0000u); }
+__device__ __forceinline__ float fqla_fp16_lo(unsigned r) {
+  float f; unsigned short h = (unsigned short)(r & 0xFFFFu);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float fqla_fp16_hi(unsigned r) { return fqla_fp16_lo(r >> 16); }
+// W^T = V^T - eg K S^T for blocks 2 j, 2 j + 1 of 8 columns: V^T's four 8 x 8 blocks by one ldmatrix .trans (rows
+// 8 j' + l % 8 of v_s, addressed per lane), eg for this thread's columns, kst / wt in the accumulator's order
+#define FQLA_WT(NAME, LO, HI, PACK) \
+__device__ __forceinline__ void NAME(void* p, const float* eg, const float* kst, void* wt, int j, int lane) { \
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
+  unsigned r0, r1, r2, r3; \
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];" \
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory"); \
+  const int c = 16 * j + 2 * (lane % 4); \
+  const float e0 = eg[c], e1 = eg[c + 1], e2 = eg[c + 8], e3 = eg[c + 9]; \
+  const float* k = kst + 8 * j; \
+  unsigned* w = static_cast<unsigned*>(wt) + 4 * j; \
+  w[0] = PACK(LO(r0) - e0 * k[0], HI(r0) - e1 * k[1]); \
+  w[1] = PACK(LO(r1) - e0 * k[2], HI(r1) - e1 * k[3]); \
+  w[2] = PACK(LO(r2) - e2 * k[4], HI(r2) - e3 * k[5]); \
+  w[3] = PACK(LO(r3) - e2 * k[6], HI(r3) - e3 * k[7]); \
+}
+FQLA_WT(fqla_wt_bf16, fqla_bf16_lo, fqla_bf16_hi, fqla_pack_bf16)
+FQLA_WT(fqla_wt_fp16, fqla_fp16_lo, fqla_fp16_hi, fqla_pack_fp16)
+#define FQLA_STSM(NAME, PACK) \
+__device__ __forceinline__ void NAME(void* p, const float* a, int j) { \
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
+  const float* x = a + 8 * j; \
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" :: "r"(s), \
+               "r"(PACK(x[0], x[1])), "r"(PACK(x[2], x[3])), "r"(PACK(x[4], x[5])), "r"(PACK(x[6], x[7])) \
+               : "memory"); \
+}
+FQLA_STSM(fqla_stsm_bf16, fqla_pack_bf16)
+FQLA_STSM(fqla_stsm_fp16, fqla_pack_fp16)
 """
 
 
@@ -266,7 +304,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 alo = T.alloc_local((4,), "float32")
                 bhi = T.alloc_local((2,), "float32")
                 blo = T.alloc_local((2,), "float32")
-                pb = T.alloc_fragment((C, C), dt)
                 qq = T.alloc_fragment((C, C), "float32") if l2norm else None
                 gate = T.alloc_fragment((C, C), "float32")
                 # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
@@ -312,19 +349,20 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     # The gated K K^T: the inverse of I + strictLower(diag(beta) (Gamma * K K^T)) is Gamma * A (the
                     # gate-free inverse, gated), so Agb below is one column scaling; Gamma <= 1 below the diagonal (no
                     # overflow). The solve never reads the diagonal. P = scale * Gamma * tril(Q K^T), rounded once.
-                    if NC == 1:
-                        for i, j in T.Parallel(C, C):
-                            kk_s[i, j] = kk[i, j] * gate[i, j]
-                            pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
-                    else:  # the accumulator stored, then reused for Q K^T
-                        for i, j in T.Parallel(C, C):
-                            kk_s[i, j] = kk[i, j] * gate[i, j]
+                    for i, j in T.Parallel(C, C):
+                        kk_s[i, j] = kk[i, j] * gate[i, j]
+                    if NC > 1:  # the accumulator stored, then reused for Q K^T
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
-                        for i, j in T.Parallel(C, C):
-                            pb[i, j] = T.cast(qk[i, j] * gate[i, j] * scale, dt)
-                    T.copy(pb, p_s[s, :, :])
+                    for i, j in T.Parallel(C, C):
+                        qk[i, j] = qk[i, j] * gate[i, j] * scale
+                    # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen); lane l of
+                    # each 8 addresses row l % 8 of its 8 x 8 block (warp rows 16 w .. +16, columns 16 jj .. +16)
+                    for jj in T.unroll(C // 16):
+                        T.call_extern("handle", "fqla_stsm_" + dtype,
+                                      T.address_of(p_s[s, tid // 32 * 16 + tid % 32 // 8 % 2 * 8 + tid % 8,
+                                                       16 * jj + tid % 32 // 16 * 8]), qk.data, jj)
                     T.sync_threads(AUX_BARRIER, 128)  # kk_s
                     # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
                     # step: its ~1e-3 relative error sits below Agb's own bf16 rounding (4e-3), and nothing keeps A
@@ -396,8 +434,12 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                                      policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(1)
                         T.warpgroup_fence_operand(kst, num_regs=C // 2)
-                        for d, i in T.Parallel(BV, C):
-                            wt[d, i] = T.cast(T.cast(v_s[s, i, d], "float32") - eg_s[s, i] * kst[d, i], dt)
+                        lane = ct % 32
+                        for jj in T.unroll(C // 16):
+                            T.call_extern("handle", "fqla_wt_" + dtype,
+                                          T.address_of(v_s[s, 16 * jj + lane // 16 * 8 + lane % 8,
+                                                           wg * 64 + ct % 128 // 32 * 16 + lane // 8 % 2 * 8]),
+                                          T.address_of(eg_s[s, 0]), kst.data, wt.data, jj, lane)
                         T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
@@ -430,7 +472,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         # qst's storage (its .data: the wgmma accumulator's order) holds, at 4 j + 2 h + e, row
                         # 16 warp + 8 h + lane / 4 and column 8 j + 2 (lane % 4) + e; lane l of each 8 addresses the
                         # row 8 j + l % 8 of o_s that its block's column l % 8 becomes
-                        lane = ct % 32
                         for jj in T.unroll(C // 16):
                             T.call_extern("handle", "fqla_stsm_t_" + dtype,
                                           T.address_of(o_s[wg * C + 16 * jj + lane // 16 * 8 + lane % 8,
