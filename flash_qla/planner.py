@@ -118,8 +118,9 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
 # gdn_fwd_fused's per-chunk times are the persistent kernel's with its O store vectorised (H100 sweep, bench/results/
 # h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py): 2.45 / 3.46 us at BV 64 / 128. With the store lowered to
 # scalar stores (the V block's offset held in a variable TileLang could not prove aligned) they were 2.9 / 4.6. Since
-# O leaves by TMA stores the kernel runs 3-5% faster at BV = 128 and 1-3% at 64 (kernel_ab_fused_tma_store.jsonl); the
-# fit predates that (no sweep since), so it overstates the fused plans by those margins.
+# O leaves by TMA stores the kernel runs 3-5% faster at BV = 128 and 1-3% at 64 (kernel_ab_fused_tma_store.jsonl), and
+# 1-3% more with W^T and P moved by ldmatrix / stmatrix (kernel_ab_fused_ldmatrix.jsonl); the fit predates both (no
+# sweep since), so it overstates the fused plans by those margins.
 FUSED_FIT_US = {64: (2.445, 7.75), 128: (3.456, 11.81)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
 # walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then,
