@@ -143,10 +143,12 @@ CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out":
 # TP8 64 sequences, 8 -> 64 tokens: prepare + chain +9 us at one head per CTA, +12 at four)
 SHORT_FILL_US = 2.67
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
-# intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over the features
-# (out-chain rounds x L, out-chain rounds, pre-pass rounds, segments per sequence): a least-squares fit, not a
-# physical split (the pre-pass and the out chain's rounds move together)
-CP_FIT_US = (2.725, -25.77, 29.22, 3.611)
+# intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over cp_features: a
+# least-squares fit (scripts/plan_fit.py), not a physical split (the pre-pass and the out chain's rounds move
+# together). Its last term, out-chain rounds x L x q/k heads / v-heads, is the q / k bytes a v-head's chain reads
+# that no other v-head shares: without it the fit put CP at 18-21% under its time at 16 q/k heads for 16 v-heads
+# (2B-TP1, every L), and chose CP for 2B-TP1 1x2048 at 1.16x the best plan
+CP_FIT_US = (2.409, -22.076, 27.374, 3.760, 0.793)
 
 
 class ForwardPlan(NamedTuple):
@@ -190,6 +192,22 @@ def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     if l2norm:
         cost += L2NORM_PREPARE_US * slots * num_qk_heads / num_sms
     return cost + floor
+
+
+def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
+                chain_blocks: tuple, L: int, longest: Optional[int] = None) -> tuple:
+    """CP_FIT_US's features of intra-card CP at segments of L chunks: (out-chain rounds x L, out-chain rounds,
+    pre-pass rounds, the longest sequence's segments, out-chain rounds x L x q/k heads / v-heads). With a known
+    longest sequence, it and the rest's mean give the segment count (an upper bound)."""
+    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
+    longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
+    rest = (tokens / 64 - longest_chunks) / max(1, num_seqs - 1) if longest else chunks
+    segments = (math.ceil(longest_chunks / L) + (num_seqs - 1) * math.ceil(rest / L) if longest
+                else math.ceil(chunks / L) * num_seqs)
+    bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
+    rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
+    pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
+    return (rounds * L, rounds, pre_rounds, math.ceil(longest_chunks / L), rounds * L * num_qk_heads / num_v_heads)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -245,14 +263,8 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
         for L in segment_chunks:
             if 2 * L > longest_chunks:  # the longest sequence needs two segments at least
                 continue
-            # with a known longest sequence: it and the rest's mean (an upper bound of the segment count)
-            rest = (tokens / 64 - longest_chunks) / max(1, num_seqs - 1) if longest else chunks
-            segments = (math.ceil(longest_chunks / L) + (num_seqs - 1) * math.ceil(rest / L) if longest
-                        else math.ceil(chunks / L) * num_seqs)
-            bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
-            rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
-            pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
-            features = (rounds * L, rounds, pre_rounds, math.ceil(longest_chunks / L))
+            features = cp_features(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_v, num_sms, chain_blocks, L,
+                                   longest)
             t = prepare + sum(a * b for a, b in zip(CP_FIT_US, features))
             plans.append(ForwardPlan("cp", None, None, L, t))
     if not plans:

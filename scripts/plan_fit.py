@@ -11,6 +11,8 @@ block, the two models of the fused kernel that planner.plan_forward uses:
   FUSED_STREAM_US (a, b, ramp), past it, fitted on batches of one-chunk sequences (the planner adds the full
     chunks' per_chunk time for longer ones): time = ceil(items / SMs) x (a + b x fill)
     + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp, fill = the chunk's tokens / 64.
+  CP_FIT_US, intra-card CP's time beyond its gdn_prepare over planner.cp_features (every timed cp_L candidate of
+    the grid, holdout and standard sets).
 Least squares on relative error; prints each fit, its worst relative error and the planner's current values beside
 it: copy the values into flash_qla/planner.py when they move.
 
@@ -31,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from flash_qla.planner import FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US, ForwardPlan, plan_forward
+from flash_qla.planner import (CP_FIT_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US, ForwardPlan,
+                                cp_features, plan_forward)
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
 
@@ -69,13 +72,36 @@ def stream_samples(rows: list, bv: int, sms: int) -> list:
     return out
 
 
-def fit(samples: list) -> tuple:
+def cp_samples(rows: list, sms: int) -> list:
+    """(cp_features..., gdn_prepare's predicted time, the timed total) of every timed CP candidate of an equal-length
+    row without l2norm."""
+    from flash_qla.planner import _prepare_us, plan_heads_per_cta
+    out = []
+    for r in rows:
+        if not r["equal_lengths"] or r["l2norm"] or r["set"] == "short":
+            continue
+        chunks = max(1, math.ceil(r["tokens"] / 64 / r["seqs"]))
+        hpc = plan_heads_per_cta(chunks * r["seqs"] + r["seqs"], r["hv"], r["hq"], sms)
+        prepare = _prepare_us(chunks, r["seqs"], r["hv"], r["hq"], hpc, sms, False)
+        for name, ms in r["candidates"].items():
+            if not name.startswith("cp_L") or ms is None:
+                continue
+            L = int(name[4:])
+            features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, built(False)[1], L)
+            out.append((*features, prepare, ms * 1000.0))
+    return out
+
+
+def fit(samples: list, known: bool = False) -> tuple:
     """Least squares on relative error (each row divided by its time): the planner compares plans by ratio, so a
-    short shape's 10% matters as much as a long one's. Returns the coefficients and the worst relative error."""
-    a = torch.tensor([[x / s[-1] for x in s[:-1]] for s in samples], dtype=torch.float64)
-    ones = torch.ones(len(samples), 1, dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, ones).solution.squeeze(1).tolist()
-    worst = max(abs(sum(c * x for c, x in zip(coef, s[:-1])) - s[-1]) / s[-1] for s in samples)
+    short shape's 10% matters as much as a long one's. A sample is (features..., time), or with known (features...,
+    a predicted part outside the fit, time). Returns the coefficients and the worst relative error."""
+    n = len(samples[0]) - (2 if known else 1)
+    base = [s[n] if known else 0.0 for s in samples]
+    a = torch.tensor([[x / s[-1] for x in s[:n]] for s in samples], dtype=torch.float64)
+    b = torch.tensor([[(s[-1] - k) / s[-1]] for s, k in zip(samples, base)], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+    worst = max(abs(k + sum(c * x for c, x in zip(coef, s[:n])) - s[-1]) / s[-1] for s, k in zip(samples, base))
     return coef, worst
 
 
@@ -155,6 +181,11 @@ def main() -> None:
         coef, worst = fit(samples)
         print(f"FUSED_STREAM_US[{bv}] = ({coef[0]:.3f}, {coef[1]:.3f}, {coef[2]:.3f}) over {len(samples)} rows "
               f"(worst error {worst:.1%}); planner now {FUSED_STREAM_US.get(bv)}")
+    samples = cp_samples(rows, args.sms)
+    if len(samples) > len(CP_FIT_US):
+        coef, worst = fit(samples, known=True)
+        print(f"CP_FIT_US = ({', '.join(f'{c:.3f}' for c in coef)}) over {len(samples)} CP candidates "
+              f"(worst error {worst:.1%}); planner now {CP_FIT_US}")
 
 
 if __name__ == "__main__":
