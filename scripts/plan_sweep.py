@@ -10,7 +10,10 @@ and under the planner's own choice ("planned"). A row reports the best candidate
 
 usage (GPU machine, repository root):
   python scripts/plan_sweep.py --out bench/results/h100/plan_sweep.jsonl [--sets grid,holdout,standard] [--l2norm]
-                               [--shapes SUBSTRING] [--tolerance 0.03]
+                               [--shapes SUBSTRING] [--tolerance 0.03] [--only PREFIX[,PREFIX] --merge OLD.jsonl]
+--only times just the candidates whose names start with a prefix (e.g. fused, after a change to gdn_fwd_fused alone)
+and --merge takes every other candidate's time from OLD's row of the same set, shape and l2norm: a refresh of the
+plans whose kernels changed, in a fraction of the sweep's time (the planner's choice is timed again either way).
 Writes one JSON line per shape: {"set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm",
 "planned_ms", "best", "best_ms", "ratio", "candidates": {name: ms}}; exits 1 when a shape's planned time is more than --tolerance above its best.
 """
@@ -84,6 +87,23 @@ def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
     return out
 
 
+def row_key(row: dict) -> tuple:
+    return row["set"], row["shape"], row["l2norm"]
+
+
+def merged_times(timed: dict, old_row, only: tuple) -> dict:
+    """The row's candidate times: those timed now, the others (names without an --only prefix) from the earlier
+    sweep's row. A candidate the earlier row lacks and this run did not time is an error, not a gap."""
+    times = dict(timed)
+    if only:
+        if old_row is None:
+            raise SystemExit("plan_sweep: --merge has no row for this shape: time every candidate instead")
+        for name, ms in old_row["candidates"].items():
+            if not name.startswith(only):
+                times[name] = ms
+    return times
+
+
 def time_plan(x, pins: dict, device, l2norm: bool) -> float:
     def run():
         with torch.no_grad():
@@ -104,7 +124,16 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.03)
     ap.add_argument("--sets", default="grid", help="comma-separated shape sets: grid, holdout, standard")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
+    ap.add_argument("--only", default="", help="comma-separated candidate-name prefixes to time (with --merge)")
+    ap.add_argument("--merge", default="", help="an earlier sweep whose rows give the other candidates' times")
     args = ap.parse_args()
+    only = tuple(p for p in args.only.split(",") if p)
+    if bool(only) != bool(args.merge):
+        raise SystemExit("plan_sweep: --only and --merge go together")
+    old_rows = {}
+    if args.merge:
+        with open(args.merge) as f:
+            old_rows = {row_key(r): r for r in map(json.loads, filter(str.strip, f))}
     device = torch.device("cuda")
     worst = 1.0
     with open(args.out, "w") as f:
@@ -113,8 +142,9 @@ def main() -> int:
                 if args.shapes and args.shapes not in name:
                     continue
                 x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
-                times = {c: time_plan(x, pins, device, args.l2norm)
-                         for c, pins in candidates(hq, hv, lens, args.l2norm).items()}
+                timed = {c: time_plan(x, pins, device, args.l2norm)
+                         for c, pins in candidates(hq, hv, lens, args.l2norm).items() if c.startswith(only or "")}
+                times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only)
                 planned = time_plan(x, {}, device, args.l2norm)
                 best = min(times, key=times.get)
                 ratio = planned / min(times[best], planned)

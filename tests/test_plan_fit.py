@@ -87,3 +87,40 @@ def test_check_gives_the_planner_the_longest_sequence_only_with_host_lengths(mon
     plan_fit.check([row], SMS, False, _both_blocks, lengths)
     plan_fit.check([row], SMS, True, _both_blocks, lengths)
     assert seen == [None, 14336]
+
+
+def test_cp_fit_recovers_its_coefficients_beyond_prepare():
+    from flash_qla.cp import SEGMENT_CHUNKS
+    from flash_qla.planner import _prepare_us, cp_features, plan_heads_per_cta
+    coef = (2.0, -10.0, 20.0, 3.0, 1.5)
+    chain_blocks = plan_fit.built(False)[1]
+    rows = []
+    for hq, hv in ((2, 8), (4, 16), (16, 16), (8, 32), (16, 64)):
+        for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384), (4, 16384)):
+            chunks = math.ceil(tokens / seqs / 64)
+            hpc = plan_heads_per_cta(chunks * seqs + seqs, hv, hq, SMS)
+            prepare = _prepare_us(chunks, seqs, hv, hq, hpc, SMS, False)
+            cands = {}
+            for L in SEGMENT_CHUNKS:
+                if 2 * L <= chunks:
+                    f = cp_features(tokens, seqs, hv, hq, 128, SMS, chain_blocks, L)
+                    cands[f"cp_L{L}"] = (prepare + sum(c * x for c, x in zip(coef, f))) / 1000
+            rows.append({"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv,
+                         "tokens": tokens, "seqs": seqs, "equal_lengths": True, "l2norm": False,
+                         "candidates": dict(cands, fused_bv64=1.0)})
+    samples = plan_fit.cp_samples(rows, SMS)
+    assert len(samples) == sum(len(r["candidates"]) - 1 for r in rows)
+    got, worst = plan_fit.fit(samples, known=True)
+    assert got == pytest.approx(coef, rel=1e-6) and worst < 1e-6
+
+
+def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
+    spec_ = importlib.util.spec_from_file_location("plan_sweep", ROOT / "scripts" / "plan_sweep.py")
+    sweep = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sweep)
+    old = {"candidates": {"fused_bv64": 2.0, "fused_bv128": 3.0, "split_bv64_hpc1": 1.5, "cp_L8": 1.2}}
+    got = sweep.merged_times({"fused_bv64": 1.0, "fused_bv128": 1.1}, old, ("fused",))
+    assert got == {"fused_bv64": 1.0, "fused_bv128": 1.1, "split_bv64_hpc1": 1.5, "cp_L8": 1.2}
+    assert sweep.merged_times({"fused_bv64": 1.0}, None, ()) == {"fused_bv64": 1.0}   # a whole sweep: as timed
+    with pytest.raises(SystemExit, match="no row for this shape"):
+        sweep.merged_times({"fused_bv64": 1.0}, None, ("fused",))
