@@ -194,6 +194,15 @@ def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     return cost + floor
 
 
+def cp_prepare_us(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, num_sms: int,
+                  l2norm: bool = False) -> float:
+    """gdn_prepare's time under intra-card CP (the part of its plans outside CP_FIT_US), at the heads per CTA it
+    plans for the chunk slots."""
+    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
+    hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)
+    return _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
+
+
 def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
                 chain_blocks: tuple, L: int, longest: Optional[int] = None) -> tuple:
     """CP_FIT_US's features of intra-card CP at segments of L chunks: (out-chain rounds x L, out-chain rounds,
@@ -258,8 +267,7 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                           * SHORT_FILL_US)
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
     if allow_cp and path in (None, "cp"):
-        hpc = plan_heads_per_cta(chunks * num_seqs + num_seqs, num_v_heads, num_qk_heads, num_sms)
-        prepare = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
+        prepare = cp_prepare_us(tokens, num_seqs, num_v_heads, num_qk_heads, num_sms, l2norm)
         for L in segment_chunks:
             if 2 * L > longest_chunks:  # the longest sequence needs two segments at least
                 continue

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from flash_qla.planner import (CP_FIT_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US, ForwardPlan,
-                                cp_features, plan_forward)
+                                cp_features, cp_prepare_us, plan_forward)
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
 
@@ -75,19 +75,17 @@ def stream_samples(rows: list, bv: int, sms: int) -> list:
 def cp_samples(rows: list, sms: int) -> list:
     """(cp_features..., gdn_prepare's predicted time, the timed total) of every timed CP candidate of an equal-length
     row without l2norm."""
-    from flash_qla.planner import _prepare_us, plan_heads_per_cta
+    chain_blocks = built(False)[1]
     out = []
     for r in rows:
         if not r["equal_lengths"] or r["l2norm"] or r["set"] == "short":
             continue
-        chunks = max(1, math.ceil(r["tokens"] / 64 / r["seqs"]))
-        hpc = plan_heads_per_cta(chunks * r["seqs"] + r["seqs"], r["hv"], r["hq"], sms)
-        prepare = _prepare_us(chunks, r["seqs"], r["hv"], r["hq"], hpc, sms, False)
+        prepare = cp_prepare_us(r["tokens"], r["seqs"], r["hv"], r["hq"], sms)
         for name, ms in r["candidates"].items():
             if not name.startswith("cp_L") or ms is None:
                 continue
             L = int(name[4:])
-            features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, built(False)[1], L)
+            features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, chain_blocks, L)
             out.append((*features, prepare, ms * 1000.0))
     return out
 

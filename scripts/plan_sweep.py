@@ -87,20 +87,19 @@ def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
     return out
 
 
-def row_key(row: dict) -> tuple:
-    return row["set"], row["shape"], row["l2norm"]
-
-
-def merged_times(timed: dict, old_row, only: tuple) -> dict:
-    """The row's candidate times: those timed now, the others (names without an --only prefix) from the earlier
-    sweep's row. A candidate the earlier row lacks and this run did not time is an error, not a gap."""
+def merged_times(timed: dict, old_row, only: tuple, names) -> dict:
+    """The row's candidate times (names: every candidate of the shape): those timed now, the others (names without an
+    --only prefix) from the earlier sweep's row. A candidate the earlier row lacks and this run did not time is an
+    error, not a gap."""
     times = dict(timed)
     if only:
         if old_row is None:
             raise SystemExit("plan_sweep: --merge has no row for this shape: time every candidate instead")
-        for name, ms in old_row["candidates"].items():
-            if not name.startswith(only):
-                times[name] = ms
+        times.update((n, old_row["candidates"][n]) for n in names if not n.startswith(only)
+                     and n in old_row["candidates"])
+        missing = sorted(set(names) - set(times))
+        if missing:
+            raise SystemExit(f"plan_sweep: --merge's row lacks {missing}: time them (widen --only)")
     return times
 
 
@@ -133,7 +132,7 @@ def main() -> int:
     old_rows = {}
     if args.merge:
         with open(args.merge) as f:
-            old_rows = {row_key(r): r for r in map(json.loads, filter(str.strip, f))}
+            old_rows = {(r["set"], r["shape"], r["l2norm"]): r for r in map(json.loads, filter(str.strip, f))}
     device = torch.device("cuda")
     worst = 1.0
     with open(args.out, "w") as f:
@@ -142,9 +141,10 @@ def main() -> int:
                 if args.shapes and args.shapes not in name:
                     continue
                 x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
+                cands = candidates(hq, hv, lens, args.l2norm)
                 timed = {c: time_plan(x, pins, device, args.l2norm)
-                         for c, pins in candidates(hq, hv, lens, args.l2norm).items() if c.startswith(only or "")}
-                times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only)
+                         for c, pins in cands.items() if c.startswith(only or "")}
+                times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only, cands)
                 planned = time_plan(x, {}, device, args.l2norm)
                 best = min(times, key=times.get)
                 ratio = planned / min(times[best], planned)

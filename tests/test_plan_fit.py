@@ -91,15 +91,14 @@ def test_check_gives_the_planner_the_longest_sequence_only_with_host_lengths(mon
 
 def test_cp_fit_recovers_its_coefficients_beyond_prepare():
     from flash_qla.cp import SEGMENT_CHUNKS
-    from flash_qla.planner import _prepare_us, cp_features, plan_heads_per_cta
+    from flash_qla.planner import cp_features, cp_prepare_us
     coef = (2.0, -10.0, 20.0, 3.0, 1.5)
     chain_blocks = plan_fit.built(False)[1]
     rows = []
     for hq, hv in ((2, 8), (4, 16), (16, 16), (8, 32), (16, 64)):
         for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384), (4, 16384)):
             chunks = math.ceil(tokens / seqs / 64)
-            hpc = plan_heads_per_cta(chunks * seqs + seqs, hv, hq, SMS)
-            prepare = _prepare_us(chunks, seqs, hv, hq, hpc, SMS, False)
+            prepare = cp_prepare_us(tokens, seqs, hv, hq, SMS)
             cands = {}
             for L in SEGMENT_CHUNKS:
                 if 2 * L <= chunks:
@@ -118,9 +117,12 @@ def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
     spec_ = importlib.util.spec_from_file_location("plan_sweep", ROOT / "scripts" / "plan_sweep.py")
     sweep = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(sweep)
+    names = ("fused_bv64", "fused_bv128", "split_bv64_hpc1", "cp_L8")
     old = {"candidates": {"fused_bv64": 2.0, "fused_bv128": 3.0, "split_bv64_hpc1": 1.5, "cp_L8": 1.2}}
-    got = sweep.merged_times({"fused_bv64": 1.0, "fused_bv128": 1.1}, old, ("fused",))
+    got = sweep.merged_times({"fused_bv64": 1.0, "fused_bv128": 1.1}, old, ("fused",), names)
     assert got == {"fused_bv64": 1.0, "fused_bv128": 1.1, "split_bv64_hpc1": 1.5, "cp_L8": 1.2}
-    assert sweep.merged_times({"fused_bv64": 1.0}, None, ()) == {"fused_bv64": 1.0}   # a whole sweep: as timed
+    assert sweep.merged_times({"fused_bv64": 1.0}, None, (), names[:1]) == {"fused_bv64": 1.0}  # a whole sweep
     with pytest.raises(SystemExit, match="no row for this shape"):
-        sweep.merged_times({"fused_bv64": 1.0}, None, ("fused",))
+        sweep.merged_times({"fused_bv64": 1.0}, None, ("fused",), names)
+    with pytest.raises(SystemExit, match="lacks"):   # a candidate the earlier sweep never timed
+        sweep.merged_times({"fused_bv64": 1.0, "fused_bv128": 1.1}, old, ("fused",), names + ("cp_L16",))
