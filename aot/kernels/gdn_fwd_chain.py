@@ -35,6 +35,7 @@ bound); fallback[n, h] (an output here) = 1 where it ran the whole sequence, who
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
+from .fragment_io import PRELUDE
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 from .producer_warp import register as single_warp_producer
 
@@ -126,7 +127,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
         stop: T.int32,
         decay_bound: T.float32,
     ):
-        with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64)) as (bv, h, n):
+        with T.Kernel(V // BV, Hv, N, threads=128 * (BV // 64), prelude=PRELUDE) as (bv, h, n):
             if BV > 64:  # the producer needs few registers; two consumer warpgroups hold 64 x K of S^T each
                 T.annotate_producer_reg_dealloc(24)
                 T.annotate_consumer_reg_alloc(232)
@@ -137,11 +138,10 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
             p_s = T.alloc_shared((C, C), dt)
             eg_s = T.alloc_shared((C,), "float32")
             et_s = T.alloc_shared((C,), "float32")
-            # O^T leaves the accumulator as 2-byte stores down o_s's columns: rows padded by 16 bytes, so the
-            # four token rows one store instruction touches land in different banks (4-way conflicts without)
+            # O^T leaves the accumulator by stmatrix .trans into o_s's rows: rows padded by 16 bytes, so the eight
+            # rows of one 8 x 8 block land in different banks
             o_s = T.alloc_shared((2, C, BV + 8), dt)  # double-buffered: one warpgroup barrier per chunk
-            # v is read down its columns (2-byte loads into W^T's accumulator layout): the 128-byte swizzle puts the
-            # four token rows of one load instruction in different banks
+            # v is read down its columns (ldmatrix .trans into W^T's accumulator layout), 16 bytes a row of a block
             T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             st = T.alloc_fragment((BV, K), "float32")
             st_b = T.alloc_fragment((BV, K), dt)
@@ -245,9 +245,12 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                 if homogeneous:  # V = 0: the homogeneous chain
                     for d, i in T.Parallel(BV, C):
                         wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
-                else:
-                    for d, i in T.Parallel(BV, C):
-                        wt[d, i] = T.cast(T.cast(v_s[i, d], "float32") - eg_s[i] * kst[d, i], dt)
+                else:  # fragment_io.py's W^T step: V^T's 8 x 8 blocks by ldmatrix .trans
+                    for jj in T.unroll(C // 16):
+                        T.call_extern("handle", "fqla_wt_" + dtype,
+                                      T.address_of(v_s[16 * jj + ct % 32 // 16 * 8 + ct % 8,
+                                                       wg * 64 + ct % 128 // 32 * 16 + ct % 32 // 8 % 2 * 8]),
+                                      T.address_of(eg_s[0]), kst.data, wt.data, jj, ct % 32)
                 if output:
                     take_turn(wg, False)
                     T.wgmma_gemm(wt, agb_s, vnt, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
@@ -285,8 +288,11 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     # Each consumer warpgroup stages and stores its own 64 columns of O (its rows of O^T): with two
                     # buffers, the barrier after this chunk's staging also orders the previous chunk's reads of
                     # the other buffer before the next chunk's writes to it
-                    for d, i in T.Parallel(BV, C):
-                        o_s[c % 2, i, d] = T.cast(qst[d, i], dt)
+                    for jj in T.unroll(C // 16):  # fragment_io.py's transposed store: O's rows from O^T's blocks
+                        T.call_extern("handle", "fqla_stsm_t_" + dtype,
+                                      T.address_of(o_s[c % 2, 16 * jj + ct % 32 // 16 * 8 + ct % 8,
+                                                       wg * 64 + ct % 128 // 32 * 16 + ct % 32 // 8 % 2 * 8]),
+                                      qst.data, jj)
                     T.sync_threads(OUT_BARRIER + wg, 128)
                     col = wg * 64 + ct % 8 * 8
                     for ps in T.unroll(C // OUT_ROWS_PER_PASS):

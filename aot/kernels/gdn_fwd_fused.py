@@ -32,6 +32,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
+from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
 from .common import L2NORM_EPS
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
@@ -60,73 +61,13 @@ STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to 
 # with fewer SMs (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
 PERSISTENT_CTAS = 528
 PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
-# fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes).
-# fqla_stsm_t_*: four 8 x 8 blocks of a thread's O^T accumulator (blocks 2 j and 2 j + 1 of 8 columns, both 8-row
-# halves: its values 8 j .. 8 j + 7) rounded and stored transposed (stmatrix .trans), one instruction where 2-byte
-# stores took sixteen; fqla_stsm_*: the same blocks stored as they are (the aux's P).
-# fqla_wt_*: W^T's blocks 2 j, 2 j + 1 made from V^T's by one ldmatrix .trans, where 2-byte loads took thirty-two.
+# fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes); the
+# accumulator helpers of fragment_io.py (O^T and P by stmatrix, W^T by ldmatrix)
 PRELUDE = r"""
 __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
-// two floats as a 16-bit pair, the first at the lower address
-__device__ __forceinline__ unsigned fqla_pack_bf16(float a, float b) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
-__device__ __forceinline__ unsigned fqla_pack_fp16(float a, float b) {
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
-#define FQLA_STSM_T(NAME, PACK) \
-__device__ __forceinline__ void NAME(void* p, const float* a, int j) { \
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
-  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" :: "r"(s), \
-               "r"(PACK(a[8 * j], a[8 * j + 1])), "r"(PACK(a[8 * j + 2], a[8 * j + 3])), \
-               "r"(PACK(a[8 * j + 4], a[8 * j + 5])), "r"(PACK(a[8 * j + 6], a[8 * j + 7])) : "memory"); \
-}
-FQLA_STSM_T(fqla_stsm_t_bf16, fqla_pack_bf16)
-FQLA_STSM_T(fqla_stsm_t_fp16, fqla_pack_fp16)
-__device__ __forceinline__ float fqla_bf16_lo(unsigned r) { return __uint_as_float(r << 16); }
-__device__ __forceinline__ float fqla_bf16_hi(unsigned r) { return __uint_as_float(r & 0xFFFF0000u); }
-__device__ __forceinline__ float fqla_fp16_lo(unsigned r) {
-  float f; unsigned short h = (unsigned short)(r & 0xFFFFu);
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ float fqla_fp16_hi(unsigned r) { return fqla_fp16_lo(r >> 16); }
-// W^T = V^T - eg K S^T for blocks 2 j, 2 j + 1 of 8 columns: V^T's four 8 x 8 blocks by one ldmatrix .trans (rows
-// 8 j' + l % 8 of v_s, addressed per lane), eg for this thread's columns, kst / wt in the accumulator's order
-#define FQLA_WT(NAME, LO, HI, PACK) \
-__device__ __forceinline__ void NAME(void* p, const float* eg, const float* kst, void* wt, int j, int lane) { \
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
-  unsigned r0, r1, r2, r3; \
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];" \
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory"); \
-  const int c = 16 * j + 2 * (lane % 4); \
-  const float e0 = eg[c], e1 = eg[c + 1], e2 = eg[c + 8], e3 = eg[c + 9]; \
-  const float* k = kst + 8 * j; \
-  unsigned* w = static_cast<unsigned*>(wt) + 4 * j; \
-  w[0] = PACK(LO(r0) - e0 * k[0], HI(r0) - e1 * k[1]); \
-  w[1] = PACK(LO(r1) - e0 * k[2], HI(r1) - e1 * k[3]); \
-  w[2] = PACK(LO(r2) - e2 * k[4], HI(r2) - e3 * k[5]); \
-  w[3] = PACK(LO(r3) - e2 * k[6], HI(r3) - e3 * k[7]); \
-}
-FQLA_WT(fqla_wt_bf16, fqla_bf16_lo, fqla_bf16_hi, fqla_pack_bf16)
-FQLA_WT(fqla_wt_fp16, fqla_fp16_lo, fqla_fp16_hi, fqla_pack_fp16)
-#define FQLA_STSM(NAME, PACK) \
-__device__ __forceinline__ void NAME(void* p, const float* a, int j) { \
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
-  const float* x = a + 8 * j; \
-  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" :: "r"(s), \
-               "r"(PACK(x[0], x[1])), "r"(PACK(x[2], x[3])), "r"(PACK(x[4], x[5])), "r"(PACK(x[6], x[7])) \
-               : "memory"); \
-}
-FQLA_STSM(fqla_stsm_bf16, fqla_pack_bf16)
-FQLA_STSM(fqla_stsm_fp16, fqla_pack_fp16)
-"""
+""" + FRAGMENT_PRELUDE
 
 
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
