@@ -69,10 +69,16 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
     return min(reversed(candidates), key=cost)  # ties: the most heads per CTA
 
 
-# use_qk_l2norm_in_kernel (H100 fit, scripts/plan_sweep.py --l2norm): gdn_fwd_fused takes Q Q^T and the norms'
-# scalings on its aux warpgroup, L2NORM_FUSED_CHUNK_US more per chunk; gdn_prepare normalises (and stores) each chunk's
-# q / k rows once per q / k head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs
-L2NORM_FUSED_CHUNK_US = 0.45
+# use_qk_l2norm_in_kernel (H100 fits, scripts/plan_sweep.py --l2norm, scripts/plan_fit.py): gdn_fwd_fused's l2norm
+# build (Q Q^T and the norms' scalings on its aux warpgroup) has fits of its own, L2NORM_FUSED_FIT_US as FUSED_FIT_US
+# and L2NORM_STREAM_US as FUSED_STREAM_US; gdn_prepare normalises (and stores) each chunk's q / k rows once per q / k
+# head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs. On batches of one-chunk sequences the
+# split plan moves with the chunk's fill by L2NORM_SHORT_FILL_US = (a, b): (a + b x fill) us per round of (sequence,
+# v-head) pairs over the SMs, below the multi-chunk fit at 16 tokens and above it at 64 (without it the planner took
+# prepare + chain at 1.44x the fused kernel's time on 128 sequences of 64 tokens at 4 v-heads)
+L2NORM_FUSED_FIT_US = {64: (2.844, 7.35)}
+L2NORM_STREAM_US = {64: (5.621, -0.221, 2.975, 2.756)}
+L2NORM_SHORT_FILL_US = (-4.042, 3.520)
 L2NORM_PREPARE_US = 3.71
 
 
@@ -115,19 +121,18 @@ def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_di
 # spreading chunks evenly over the SMs, sends 96 heads of one sequence to BV = 128 (one round; 1.33x faster than two
 # rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
-# gdn_fwd_fused's per-chunk times are the persistent kernel's with its O store vectorised (H100 sweep, bench/results/
-# h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py): 2.45 / 3.46 us at BV 64 / 128. With the store lowered to
-# scalar stores (the V block's offset held in a variable TileLang could not prove aligned) they were 2.9 / 4.6. Since
-# O leaves by TMA stores the kernel runs 3-5% faster at BV = 128 and 1-3% at 64 (kernel_ab_fused_tma_store.jsonl), and
-# 1-3% more with W^T and P moved by ldmatrix / stmatrix (kernel_ab_fused_ldmatrix.jsonl); the fit predates both (no
-# sweep since), so it overstates the fused plans by those margins.
-FUSED_FIT_US = {64: (2.445, 7.75), 128: (3.456, 11.81)}       # gdn_fwd_fused: (per chunk, per chain)
+# gdn_fwd_fused's per-chunk times (H100 sweep, bench/results/h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py):
+# 2.31 / 3.20 us at BV 64 / 128 with O leaving by TMA stores and W^T / P moved by ldmatrix / stmatrix (2.45 / 3.46
+# before those; 2.9 / 4.6 while the O store was lowered to scalar stores)
+FUSED_FIT_US = {64: (2.311, 7.49), 128: (3.201, 11.27)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
 # walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then,
-# and for batches of one-chunk sequences below that count (H100 least squares over the 1-chunk batches of
+# and for batches of one-chunk sequences below that count (H100 least squares over the batches past that count of
 # scripts/short_batch_sweep.py and plan_sweep.py, scripts/plan_fit.py), an SM takes ceil(items / SMs) items of
-# FUSED_STREAM_US[0] + [1] x the last chunk's fill (its tokens / 64) us each, plus FUSED_STREAM_US[2] per round of
-# CTAs (a CTA's first item and its ramp)
+# FUSED_STREAM_US[0] + [1] x the last chunk's fill (its tokens / 64) + [3] x the chunks before it us each, plus
+# FUSED_STREAM_US[2] per round of CTAs (a CTA's first item and its ramp). Streaming, a full chunk costs [3], less than
+# FUSED_FIT_US's per-chunk time: the next item's loads and products overlap the current one's chain (one persistent
+# per-chunk time put 4-chunk batches of 4096+ items at 1.06-1.10x their time)
 FUSED_PERSISTENT_CTAS = 528
 # Batches of one-chunk sequences up to FUSED_ONE_ROUND_ITEMS items an SM run one CTA an SM instead: each CTA walks its
 # items with the next item's inputs, products and state in flight, where a grid of 528 starts every item cold (H100,
@@ -135,20 +140,17 @@ FUSED_PERSISTENT_CTAS = 528
 # tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms, TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full
 # chunks, which keep 528). The prediction keeps the 528-CTA model: the cap only shortens a plan it already chose.
 FUSED_ONE_ROUND_ITEMS = 8
-FUSED_STREAM_US = {64: (5.130, 0.433, 3.808), 128: (8.287, 1.550, 4.640)}
-CHAIN_FIT_US = {64: (1.341, 2.11), 128: (1.908, 1.98)}    # gdn_fwd_chain "out": (per chunk, per chain)
+FUSED_STREAM_US = {64: (5.356, 0.117, 1.938, 2.275), 128: (8.292, 1.609, 3.098, 3.239)}
+# gdn_fwd_chain "out": (per chunk, per chain), the split plan's time beyond gdn_prepare's predicted part (plan_fit.py)
+CHAIN_FIT_US = {64: (1.231, 2.802), 128: (1.787, 3.822)}
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
-# Batches of one-chunk sequences: gdn_prepare at one head per CTA grows with the chunk's fill beyond the fit by
-# SHORT_FILL_US us per (sequence, v-head) per SM at a full chunk, whatever its heads per CTA (H100, plan_sweep_short:
-# TP8 64 sequences, 8 -> 64 tokens: prepare + chain +9 us at one head per CTA, +12 at four)
-SHORT_FILL_US = 2.67
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over cp_features: a
 # least-squares fit (scripts/plan_fit.py), not a physical split (the pre-pass and the out chain's rounds move
 # together). Its last term, out-chain rounds x L x q/k heads / v-heads, is the q / k bytes a v-head's chain reads
 # that no other v-head shares: without it the fit put CP at 18-21% under its time at 16 q/k heads for 16 v-heads
 # (2B-TP1, every L), and chose CP for 2B-TP1 1x2048 at 1.16x the best plan
-CP_FIT_US = (2.409, -22.076, 27.374, 3.760, 0.793)
+CP_FIT_US = (2.282, -25.292, 29.134, 3.746, 0.722)
 
 
 class ForwardPlan(NamedTuple):
@@ -167,14 +169,14 @@ def _fit(table: dict, bv: int) -> tuple:
     return c * bv / 64, f  # a block outside the fit: per-chunk work in proportion
 
 
-def _fused_stream_us(tokens: int, num_seqs: int, items: int, bv: int, per_chunk_us: float, num_sms: int,
-                     l2norm: bool) -> float:
+def _fused_stream_us(tokens: int, num_seqs: int, items: int, bv: int, num_sms: int, l2norm: bool) -> float:
     """gdn_fwd_fused with more items than CTAs (FUSED_STREAM_US): equal sequences of the mean length assumed."""
-    a, b, ramp = FUSED_STREAM_US.get(bv) or tuple(x * bv / 64 for x in FUSED_STREAM_US[64])
+    table = L2NORM_STREAM_US if l2norm else FUSED_STREAM_US
+    a, b, ramp, per_chunk = table.get(bv) or tuple(x * bv / 64 for x in table[64])
     mean = tokens / max(1, num_seqs)
     chunks = max(1, math.ceil(mean / 64))
     fill = min(1.0, max(0.0, mean - 64 * (chunks - 1)) / 64)
-    per_item = a + b * fill + (chunks - 1) * per_chunk_us + (L2NORM_FUSED_CHUNK_US if l2norm else 0.0)
+    per_item = a + b * fill + (chunks - 1) * per_chunk
     return (math.ceil(items / num_sms) * per_item
             + math.ceil(min(items, FUSED_PERSISTENT_CTAS) / num_sms) * ramp)
 
@@ -183,15 +185,27 @@ def _rounds(ctas: float, num_sms: int) -> int:
     return max(1, math.ceil(ctas / num_sms))
 
 
-def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, hpc: int, num_sms: int,
-                l2norm: bool) -> float:
+def short_fill_features(tokens: int, num_seqs: int, num_v_heads: int, num_sms: int) -> tuple:
+    """L2NORM_SHORT_FILL_US's features on a batch of one-chunk sequences: (rounds, rounds x fill), rounds of (sequence,
+    v-head) pairs over the SMs, fill the chunk's tokens / 64."""
+    rounds = _rounds(num_seqs * num_v_heads, num_sms)
+    return rounds, rounds * min(1.0, tokens / max(1, num_seqs) / 64)
+
+
+def prepare_features(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, hpc: int, num_sms: int,
+                     l2norm: bool) -> tuple:
+    """gdn_prepare's features, in the order of PREPARE_FIT_US + (L2NORM_PREPARE_US,): its CTAs and CTA-heads over
+    PREPARE_CTAS_PER_SM an SM, the launch, and with l2norm the (chunk slot, q / k head) pairs over the SMs."""
     slots = chunks * num_seqs + num_seqs
     ctas = slots * num_v_heads / hpc
-    per_cta, per_head, floor = PREPARE_FIT_US
-    cost = ctas * (per_cta + per_head * hpc) / (PREPARE_CTAS_PER_SM * num_sms)
-    if l2norm:
-        cost += L2NORM_PREPARE_US * slots * num_qk_heads / num_sms
-    return cost + floor
+    return (ctas / (PREPARE_CTAS_PER_SM * num_sms), ctas * hpc / (PREPARE_CTAS_PER_SM * num_sms), 1.0,
+            slots * num_qk_heads / num_sms if l2norm else 0.0)
+
+
+def _prepare_us(chunks: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, hpc: int, num_sms: int,
+                l2norm: bool) -> float:
+    features = prepare_features(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
+    return sum(a * x for a, x in zip(PREPARE_FIT_US + (L2NORM_PREPARE_US,), features))
 
 
 def cp_prepare_us(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, num_sms: int,
@@ -244,11 +258,10 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
         for bv in fused_blocks:
             if block_v in fused_blocks and bv != block_v:  # a pinned block binds the kernels that build it
                 continue
-            c, f = _fit(FUSED_FIT_US, bv)
-            c += L2NORM_FUSED_CHUNK_US if l2norm else 0.0
+            c, f = _fit(L2NORM_FUSED_FIT_US if l2norm else FUSED_FIT_US, bv)
             items = num_seqs * num_v_heads * (head_dim_v // bv)
             if items > FUSED_PERSISTENT_CTAS or longest_chunks == 1:
-                t = max(longest_chunks * c + f, _fused_stream_us(tokens, num_seqs, items, bv, c, num_sms, l2norm))
+                t = max(longest_chunks * c + f, _fused_stream_us(tokens, num_seqs, items, bv, num_sms, l2norm))
             else:
                 t = chain_us(items, c, f)
             one_round = longest_chunks == 1 and items <= FUSED_ONE_ROUND_ITEMS * num_sms
@@ -261,10 +274,9 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             chain = chain_us(num_seqs * num_v_heads * (head_dim_v // bv), c, f)
             for hpc in hpcs:
                 t = _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm) + chain
-                if longest_chunks == 1 and not l2norm:
-                    fill = min(1.0, tokens / max(1, num_seqs) / 64)
-                    t += (max(0.0, fill - 0.125) / 0.875 * math.ceil(num_seqs * num_v_heads / num_sms)
-                          * SHORT_FILL_US)
+                if longest_chunks == 1 and l2norm:
+                    t += sum(a * x for a, x in zip(L2NORM_SHORT_FILL_US,
+                                                   short_fill_features(tokens, num_seqs, num_v_heads, num_sms)))
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
     if allow_cp and path in (None, "cp"):
         prepare = cp_prepare_us(tokens, num_seqs, num_v_heads, num_qk_heads, num_sms, l2norm)

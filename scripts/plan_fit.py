@@ -1,20 +1,23 @@
-"""Refit the forward planner's per-chunk / per-chain kernel times from a plan sweep (any machine, no GPU).
+"""Refit the forward planner's kernel-time models from plan sweeps (any machine, no GPU).
 
 usage: python scripts/plan_fit.py SWEEP.jsonl [SWEEP.jsonl ...] [--sms 132]
-  e.g. bench/results/h100/plan_sweep.jsonl bench/results/h100/plan_sweep_short.jsonl
+  e.g. bench/results/h100/plan_sweep.jsonl bench/results/h100/plan_sweep_l2norm.jsonl
+       bench/results/h100/plan_sweep_short.jsonl
 
-Reads the rows of scripts/plan_sweep.py and `short_batch_sweep.py plans` (equal lengths, no l2norm) and fits, per V
-block, the two models of the fused kernel that planner.plan_forward uses:
-  FUSED_FIT_US (per_chunk, per_chain), up to FUSED_PERSISTENT_CTAS items (multi-chunk rows of the grid and standard
-    sets): time = rounds x (chunks x per_chunk + per_chain), rounds = ceil(items / SMs), items = sequences x v-heads
-    x V / BV, chunks = each sequence's 64-token chunks;
-  FUSED_STREAM_US (a, b, ramp), past it, fitted on batches of one-chunk sequences (the planner adds the full
-    chunks' per_chunk time for longer ones): time = ceil(items / SMs) x (a + b x fill)
-    + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp, fill = the chunk's tokens / 64.
-  CP_FIT_US, intra-card CP's time beyond its gdn_prepare over planner.cp_features (every timed cp_L candidate of
-    the grid, holdout and standard sets).
-Least squares on relative error; prints each fit, its worst relative error and the planner's current values beside
-it: copy the values into flash_qla/planner.py when they move.
+Reads the rows of scripts/plan_sweep.py and `short_batch_sweep.py plans` and fits, by least squares on relative error:
+  FUSED_FIT_US (per_chunk, per_chain) per V block, up to FUSED_PERSISTENT_CTAS items (multi-chunk equal-length rows of
+    the grid and standard sets): time = rounds x (chunks x per_chunk + per_chain), rounds = ceil(items / SMs), items =
+    sequences x v-heads x V / BV, chunks = each sequence's 64-token chunks;
+  FUSED_STREAM_US (a, b, ramp, per_chunk), past it: time = ceil(items / SMs) x (a + b x the last chunk's fill +
+    per_chunk x the chunks before it) + ceil(min(items, FUSED_PERSISTENT_CTAS) / SMs) x ramp;
+  L2NORM_FUSED_FIT_US and L2NORM_STREAM_US, the same over the l2norm rows (the l2norm build);
+  CHAIN_FIT_US, gdn_fwd_chain's (per chunk, per chain) per V block in the split plan beyond its gdn_prepare part as
+    predicted, over the plain multi-chunk rows; then L2NORM_SHORT_FILL_US, the split plan's term on l2norm batches of
+    one-chunk sequences beyond prepare and chain;
+  CP_FIT_US, intra-card CP's time beyond its gdn_prepare over planner.cp_features (every timed cp_L candidate of the
+    grid, holdout and standard sets).
+Each fit prints its worst relative error and the planner's current values beside it: copy the values into
+flash_qla/planner.py when they move (CHAIN_FIT_US first: the fill term is fitted beyond it).
 
 --check [--host-lengths]: instead, the planner as it now stands (flash_qla/planner.py, the built variants) against
 the sweeps' timed candidates: for every row, the plan it picks and that plan's time over the row's best, and the
@@ -33,18 +36,20 @@ from pathlib import Path
 
 import torch
 
-from flash_qla.planner import (CP_FIT_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US, ForwardPlan,
-                                cp_features, cp_prepare_us, plan_forward)
+from flash_qla.planner import (CHAIN_FIT_US, CP_FIT_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US,
+                               L2NORM_FUSED_FIT_US, L2NORM_PREPARE_US, L2NORM_SHORT_FILL_US, L2NORM_STREAM_US,
+                               PREPARE_FIT_US, ForwardPlan, cp_features, cp_prepare_us, plan_forward,
+                               prepare_features, short_fill_features)
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
 
 
-def fused_samples(rows: list, bv: int, sms: int) -> list:
+def fused_samples(rows: list, bv: int, sms: int, l2norm: bool = False) -> list:
     """(rounds x chunks, rounds, measured us) of the fused candidate at block bv on the rows the model covers."""
     out = []
     for r in rows:
         ms = r["candidates"].get(f"fused_bv{bv}")
-        if ms is None or not r["equal_lengths"] or r["l2norm"] or r["set"] not in ("grid", "standard"):
+        if ms is None or not r["equal_lengths"] or r["l2norm"] != l2norm or r["set"] not in ("grid", "standard"):
             continue
         items = r["seqs"] * r["hv"] * (HEAD_DIM_V // bv)
         chunks = math.ceil(r["tokens"] / r["seqs"] / 64)
@@ -55,20 +60,23 @@ def fused_samples(rows: list, bv: int, sms: int) -> list:
     return out
 
 
-def stream_samples(rows: list, bv: int, sms: int) -> list:
-    """(rounds, rounds x fill, ramp rounds, measured us) of the one-chunk batches past the persistent limit."""
+def stream_samples(rows: list, bv: int, sms: int, l2norm: bool = False) -> list:
+    """(rounds, rounds x the last chunk's fill, ramp rounds, rounds x the chunks before it, measured us) of the
+    equal-length batches past the persistent limit."""
     out = []
     for r in rows:
         ms = r["candidates"].get(f"fused_bv{bv}")
-        if ms is None or not r["equal_lengths"] or r["l2norm"]:
+        if ms is None or not r["equal_lengths"] or r["l2norm"] != l2norm:
             continue
         items = r["seqs"] * r["hv"] * (HEAD_DIM_V // bv)
-        if items <= FUSED_PERSISTENT_CTAS or r["tokens"] > 64 * r["seqs"]:  # one-chunk batches (the fit's)
+        if items <= FUSED_PERSISTENT_CTAS:
             continue
-        fill = r["tokens"] / r["seqs"] / 64
+        mean = r["tokens"] / r["seqs"]
+        chunks = math.ceil(mean / 64)
+        fill = (mean - 64 * (chunks - 1)) / 64
         rounds = math.ceil(items / sms)
         ramp = math.ceil(min(items, FUSED_PERSISTENT_CTAS) / sms)
-        out.append((rounds, rounds * fill, ramp, ms * 1000.0))
+        out.append((rounds, rounds * fill, ramp, rounds * (chunks - 1), ms * 1000.0))
     return out
 
 
@@ -87,6 +95,38 @@ def cp_samples(rows: list, sms: int) -> list:
             L = int(name[4:])
             features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, chain_blocks, L)
             out.append((*features, prepare, ms * 1000.0))
+    return out
+
+
+def split_samples(rows: list, sms: int, one_chunk: bool, chain_fit: dict) -> list:
+    """Every timed split candidate (gdn_prepare + gdn_fwd_chain) of the equal-length rows, gdn_prepare's part as the
+    planner predicts it (PREPARE_FIT_US, L2NORM_PREPARE_US: its kernel has not changed since their fit; fitting them
+    beside the chain placed 9 more rows of the sweeps beyond 3%). one_chunk False: the plain rows of two chunks or
+    more, (per chain block (rounds x chunks, rounds) (2 x 2), the prepare part, the timed total), CHAIN_FIT_US's
+    coefficients; True: the l2norm batches of one-chunk sequences, (short_fill_features, the prepare and chain parts
+    (chain_fit's), the timed total), L2NORM_SHORT_FILL_US's. (The chain fitted on all of them at once placed 8 more
+    rows beyond 3%; the same fill term for plain batches fitted below zero and moved no plan.)"""
+    prepare_coefficients = PREPARE_FIT_US + (L2NORM_PREPARE_US,)
+    out = []
+    for r in rows:
+        chunks = math.ceil(r["tokens"] / r["seqs"] / 64)
+        if not r["equal_lengths"] or (chunks == 1) != one_chunk or r["l2norm"] != one_chunk:
+            continue
+        for name, ms in r["candidates"].items():
+            if not name.startswith("split_bv") or ms is None:
+                continue
+            bv, hpc = (int(x) for x in name[len("split_bv"):].split("_hpc"))
+            rounds = math.ceil(r["seqs"] * r["hv"] * (HEAD_DIM_V // bv) / sms)
+            prepare = prepare_features(chunks, r["seqs"], r["hv"], r["hq"], hpc, sms, r["l2norm"])
+            known = sum(a * x for a, x in zip(prepare_coefficients, prepare))
+            if not one_chunk:
+                chain = [0.0] * 4
+                chain[2 * (bv == 128)], chain[2 * (bv == 128) + 1] = rounds * chunks, rounds
+                out.append((*chain, known, ms * 1000.0))
+                continue
+            c, f = chain_fit[bv]
+            out.append((*short_fill_features(r["tokens"], r["seqs"], r["hv"], sms), known + rounds * (c + f),
+                        ms * 1000.0))
     return out
 
 
@@ -165,20 +205,30 @@ def main() -> None:
         print(f"{len(results) - len(over)} of {len(results)} rows within {args.tolerance:.0%} of their best plan "
               f"({len(rows) - len(results)} rows without the chosen plan timed)")
         sys.exit(1 if over else 0)
-    for bv in sorted(FUSED_FIT_US):
-        samples = fused_samples(rows, bv, args.sms)
-        if len(samples) < 2:
-            print(f"BV {bv}: {len(samples)} usable rows, no fit")
-            continue
-        (c, f), worst = fit(samples)
-        print(f"FUSED_FIT_US[{bv}] = ({c:.3f}, {f:.2f}) over {len(samples)} rows (worst error {worst:.1%}); "
-              f"planner now {FUSED_FIT_US[bv]}")
-        samples = stream_samples(rows, bv, args.sms)
-        if len(samples) < 3:
-            continue
-        coef, worst = fit(samples)
-        print(f"FUSED_STREAM_US[{bv}] = ({coef[0]:.3f}, {coef[1]:.3f}, {coef[2]:.3f}) over {len(samples)} rows "
-              f"(worst error {worst:.1%}); planner now {FUSED_STREAM_US.get(bv)}")
+    for l2norm, names, chunk_table, stream_table in (
+            (False, ("FUSED_FIT_US", "FUSED_STREAM_US"), FUSED_FIT_US, FUSED_STREAM_US),
+            (True, ("L2NORM_FUSED_FIT_US", "L2NORM_STREAM_US"), L2NORM_FUSED_FIT_US, L2NORM_STREAM_US)):
+        for bv in sorted(chunk_table):
+            samples = fused_samples(rows, bv, args.sms, l2norm)
+            if len(samples) < 2:
+                print(f"{names[0]}[{bv}]: {len(samples)} usable rows, no fit")
+                continue
+            (c, f), worst = fit(samples)
+            print(f"{names[0]}[{bv}] = ({c:.3f}, {f:.2f}) over {len(samples)} rows (worst error {worst:.1%}); "
+                  f"planner now {chunk_table[bv]}")
+            samples = stream_samples(rows, bv, args.sms, l2norm)
+            if len(samples) < 3:
+                continue
+            coef, worst = fit(samples)
+            print(f"{names[1]}[{bv}] = ({', '.join(f'{c:.3f}' for c in coef)}) over {len(samples)} rows "
+                  f"(worst error {worst:.1%}); planner now {stream_table.get(bv)}")
+    (c64, f64, c128, f128), worst = fit(split_samples(rows, args.sms, False, {}), known=True)
+    print(f"CHAIN_FIT_US = {{64: ({c64:.3f}, {f64:.3f}), 128: ({c128:.3f}, {f128:.3f})}} (worst error {worst:.1%}); "
+          f"planner now {CHAIN_FIT_US}")
+    samples = split_samples(rows, args.sms, True, {64: (c64, f64), 128: (c128, f128)})
+    (a, b), worst = fit(samples, known=True)
+    print(f"L2NORM_SHORT_FILL_US = ({a:.3f}, {b:.3f}) over {len(samples)} one-chunk l2norm split candidates (worst "
+          f"error {worst:.1%}); planner now {L2NORM_SHORT_FILL_US}")
     samples = cp_samples(rows, args.sms)
     if len(samples) > len(CP_FIT_US):
         coef, worst = fit(samples, known=True)

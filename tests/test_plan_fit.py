@@ -33,23 +33,61 @@ def test_chain_fit_recovers_per_chunk_and_per_chain():
     assert got_c == pytest.approx(c, rel=1e-9) and got_f == pytest.approx(f, rel=1e-9) and worst < 1e-9
 
 
-def test_stream_fit_takes_one_chunk_batches_past_the_persistent_limit():
-    a, b, ramp = 5.0, 0.5, 4.0
+def test_stream_fit_takes_the_batches_past_the_persistent_limit():
+    a, b, ramp, per_chunk = 5.0, 0.5, 4.0, 2.0
     rows = []
     for hv in (16, 32, 64):
         for seqs in (64, 256, 512):
-            for t in (8, 32, 64):
+            for t in (8, 32, 64, 200, 256):
                 items = seqs * hv * 2
                 if items <= plan_fit.FUSED_PERSISTENT_CTAS:
                     continue
                 rounds = math.ceil(items / SMS)
                 ramps = math.ceil(min(items, plan_fit.FUSED_PERSISTENT_CTAS) / SMS)
-                rows.append(_row(hv, seqs, seqs * t, (rounds * (a + b * t / 64) + ramps * ramp) / 1000))
-    rows.append(_row(64, 512, 512 * 128, 1.0))  # two chunks a sequence: not the streaming fit's
+                chunks = math.ceil(t / 64)
+                last = (t - 64 * (chunks - 1)) / 64
+                rows.append(_row(hv, seqs, seqs * t, (rounds * (a + b * last + per_chunk * (chunks - 1))
+                                                      + ramps * ramp) / 1000))
+    rows.append(_row(4, 32, 32 * 128, 1.0))  # 256 items: the persistent fit's, not the streaming one's
+    rows.append(dict(_row(64, 512, 512 * 64, 1.0), l2norm=True))  # the l2norm build's
     samples = plan_fit.stream_samples(rows, 64, SMS)
-    assert len(samples) == len(rows) - 1
-    (got_a, got_b, got_ramp), worst = plan_fit.fit(samples)
-    assert (got_a, got_b, got_ramp) == pytest.approx((a, b, ramp), rel=1e-6) and worst < 1e-6
+    assert len(samples) == len(rows) - 2
+    got, worst = plan_fit.fit(samples)
+    assert got == pytest.approx((a, b, ramp, per_chunk), rel=1e-6) and worst < 1e-6
+
+
+def _split_row(hq, hv, seqs, tokens, l2norm, total_us):
+    """A row whose split candidates cost total_us(bv, hpc) microseconds."""
+    cands = {f"split_bv{bv}_hpc{hpc}": total_us(bv, hpc) / 1000 for bv in (64, 128) for hpc in (1, 2)
+             if (hv // hq) % hpc == 0}
+    return {"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv, "tokens": tokens,
+            "seqs": seqs, "equal_lengths": True, "l2norm": l2norm, "candidates": cands}
+
+
+def test_split_fits_recover_the_chain_and_the_l2norm_fill_beyond_prepare():
+    from flash_qla.planner import L2NORM_PREPARE_US, PREPARE_FIT_US, prepare_features, short_fill_features
+    chain = {64: (1.5, 3.0), 128: (2.0, 2.5)}
+    fill = (-3.0, 4.0)
+
+    def total(hq, hv, seqs, tokens, l2norm):
+        chunks = math.ceil(tokens / seqs / 64)
+
+        def us(bv, hpc):
+            prepare = sum(a * x for a, x in zip(PREPARE_FIT_US + (L2NORM_PREPARE_US,),
+                                                 prepare_features(chunks, seqs, hv, hq, hpc, SMS, l2norm)))
+            rounds = math.ceil(seqs * hv * (128 // bv) / SMS)
+            extra = (sum(a * x for a, x in zip(fill, short_fill_features(tokens, seqs, hv, SMS)))
+                     if chunks == 1 else 0.0)
+            return prepare + rounds * (chunks * chain[bv][0] + chain[bv][1]) + extra
+        return us
+    rows = [_split_row(hq, hv, seqs, tokens, False, total(hq, hv, seqs, tokens, False))
+            for hq, hv in ((2, 8), (8, 32), (16, 64)) for seqs, tokens in ((1, 8192), (4, 16384), (64, 16384))]
+    rows += [_split_row(hq, hv, seqs, seqs * t, True, total(hq, hv, seqs, seqs * t, True))
+             for hq, hv in ((2, 8), (8, 32)) for seqs in (64, 256) for t in (16, 32, 64)]
+    got, worst = plan_fit.fit(plan_fit.split_samples(rows, SMS, False, {}), known=True)
+    assert got == pytest.approx((*chain[64], *chain[128]), rel=1e-6) and worst < 1e-6
+    got, worst = plan_fit.fit(plan_fit.split_samples(rows, SMS, True, chain), known=True)
+    assert got == pytest.approx(fill, rel=1e-6) and worst < 1e-6
 
 
 def _both_blocks(l2norm):
