@@ -16,7 +16,18 @@ them whole):
                                    from the [token, column] tile v by ldmatrix .trans (p = &v[16 j + 8 (l / 16) + l % 8,
                                    16 w + 8 (l / 8 % 2)]), eg the chunk's per-token factors (64 floats, shared), kst
                                    the fp32 (K S)^T accumulator, wt the 16-bit W^T fragment it writes (same order)
+The addresses above, as block_address(lane, j, w, transposed) gives them to the kernels (row and column within the
+tile, before any offset of the tile's own).
 """
+
+
+def block_address(lane, j, w, transposed: bool):
+    """(row, column) of the tile whose address lane l gives for call j of warp w: fqla_stsm_* (transposed False), or
+    fqla_stsm_t_* / fqla_wt_* (True)."""
+    if transposed:
+        return 16 * j + lane // 16 * 8 + lane % 8, 16 * w + lane // 8 % 2 * 8
+    return 16 * w + lane // 8 % 2 * 8 + lane % 8, 16 * j + lane // 16 * 8
+
 
 PRELUDE = r"""// two floats as a 16-bit pair, the first at the lower address
 __device__ __forceinline__ unsigned fqla_pack_bf16(float a, float b) {

@@ -32,7 +32,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import invert_chunk
-from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
+from .fragment_io import PRELUDE as FRAGMENT_PRELUDE, block_address
 from .common import L2NORM_EPS
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
@@ -298,12 +298,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
                     for i, j in T.Parallel(C, C):
                         qk[i, j] = qk[i, j] * gate[i, j] * scale
-                    # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen); lane l of
-                    # each 8 addresses row l % 8 of its 8 x 8 block (warp rows 16 w .. +16, columns 16 jj .. +16)
+                    # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen)
                     for jj in T.unroll(C // 16):
-                        T.call_extern("handle", "fqla_stsm_" + dtype,
-                                      T.address_of(p_s[s, tid // 32 * 16 + tid % 32 // 8 % 2 * 8 + tid % 8,
-                                                       16 * jj + tid % 32 // 16 * 8]), qk.data, jj)
+                        row, col = block_address(tid % 32, jj, tid // 32, False)
+                        T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data, jj)
                     T.sync_threads(AUX_BARRIER, 128)  # kk_s
                     # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
                     # step: its ~1e-3 relative error sits below Agb's own bf16 rounding (4e-3), and nothing keeps A
@@ -377,9 +375,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         T.warpgroup_fence_operand(kst, num_regs=C // 2)
                         lane = ct % 32
                         for jj in T.unroll(C // 16):
-                            T.call_extern("handle", "fqla_wt_" + dtype,
-                                          T.address_of(v_s[s, 16 * jj + lane // 16 * 8 + lane % 8,
-                                                           wg * 64 + ct % 128 // 32 * 16 + lane // 8 % 2 * 8]),
+                            row, col = block_address(lane, jj, ct % 128 // 32, True)
+                            T.call_extern("handle", "fqla_wt_" + dtype, T.address_of(v_s[s, row, wg * 64 + col]),
                                           T.address_of(eg_s[s, 0]), kst.data, wt.data, jj, lane)
                         T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
@@ -410,13 +407,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                             if ct % 128 == 0:  # the previous chunk's TMA store has read its rows
                                 T.tma_store_wait(0)
                             T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
-                        # qst's storage (its .data: the wgmma accumulator's order) holds, at 4 j + 2 h + e, row
-                        # 16 warp + 8 h + lane / 4 and column 8 j + 2 (lane % 4) + e; lane l of each 8 addresses the
-                        # row 8 j + l % 8 of o_s that its block's column l % 8 becomes
+                        # O^T's blocks stored transposed: o_s's rows are O's (tokens)
                         for jj in T.unroll(C // 16):
-                            T.call_extern("handle", "fqla_stsm_t_" + dtype,
-                                          T.address_of(o_s[wg * C + 16 * jj + lane // 16 * 8 + lane % 8,
-                                                           ct % 128 // 32 * 16 + lane // 8 % 2 * 8]),
+                            row, col = block_address(lane, jj, ct % 128 // 32, True)
+                            T.call_extern("handle", "fqla_stsm_t_" + dtype, T.address_of(o_s[wg * C + row, col]),
                                           qst.data, jj)
                         T.fence_proxy_async()
                         T.sync_threads(OUT_BARRIER + wg, 128)
