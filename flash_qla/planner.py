@@ -150,6 +150,9 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # together). Its last term, out-chain rounds x L x q/k heads / v-heads, is the q / k bytes a v-head's chain reads
 # that no other v-head shares: without it the fit put CP at 18-21% under its time at 16 q/k heads for 16 v-heads
 # (2B-TP1, every L), and chose CP for 2B-TP1 1x2048 at 1.16x the best plan
+# Its first feature is the out chain's makespan in chunks (chain_makespan): a sequence's shorter last segment fills in
+# behind the full ones, which whole rounds of L counted as a round of its own (CP up to 25% over its time on unequal
+# lengths: 14336 + 2048 tokens at 32 v-heads planned at L = 32, 1.07x L = 64)
 CP_FIT_US = (2.282, -25.292, 29.134, 3.746, 0.722)
 
 
@@ -219,9 +222,9 @@ def cp_prepare_us(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: in
 
 def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
                 chain_blocks: tuple, L: int, longest: Optional[int] = None) -> tuple:
-    """CP_FIT_US's features of intra-card CP at segments of L chunks: (out-chain rounds x L, out-chain rounds,
-    pre-pass rounds, the longest sequence's segments, out-chain rounds x L x q/k heads / v-heads). With a known
-    longest sequence, it and the rest's mean give the segment count (an upper bound)."""
+    """CP_FIT_US's features of intra-card CP at segments of L chunks: (the out chain's makespan in chunks, out-chain
+    rounds, pre-pass rounds, the longest sequence's segments, the makespan x q/k heads / v-heads). With a known
+    longest sequence, it and the rest's mean give the segments and their lengths (the count an upper bound)."""
     chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
     longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
     rest = (tokens / 64 - longest_chunks) / max(1, num_seqs - 1) if longest else chunks
@@ -230,7 +233,34 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
     rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
     pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
-    return (rounds * L, rounds, pre_rounds, math.ceil(longest_chunks / L), rounds * L * num_qk_heads / num_v_heads)
+    per_segment = num_v_heads * (head_dim_v // bv)  # out-chain CTAs a segment
+    lengths = {}  # segment length in chunks -> out-chain CTAs of that length
+    for seq_chunks, seqs in ((longest_chunks, 1), (math.ceil(rest), num_seqs - 1)) if longest else ((chunks, num_seqs),):
+        if seqs <= 0:
+            continue
+        full, part = divmod(seq_chunks, L)
+        lengths[L] = lengths.get(L, 0) + full * seqs * per_segment
+        if part:
+            lengths[part] = lengths.get(part, 0) + seqs * per_segment
+    span = chain_makespan(lengths, num_sms)
+    return (span, rounds, pre_rounds, math.ceil(longest_chunks / L), span * num_qk_heads / num_v_heads)
+
+
+def chain_makespan(lengths: Dict[int, int], num_sms: int) -> float:
+    """The out chain's time in chunks when CTAs of unequal chains (length -> count) go longest first, each to the SM
+    that frees first: a sequence's last, shorter segment fills in behind the full ones."""
+    levels = {0: num_sms}  # SM finishing time -> SMs
+    for length in sorted(lengths, reverse=True):
+        left = lengths[length]
+        while left:
+            t = min(levels)
+            take = min(left, levels[t])
+            levels[t] -= take
+            if not levels[t]:
+                del levels[t]
+            levels[t + length] = levels.get(t + length, 0) + take
+            left -= take
+    return max(levels)
 
 
 @functools.lru_cache(maxsize=4096)

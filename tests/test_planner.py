@@ -7,8 +7,8 @@ import pytest
 from conftest import repo_text
 
 from flash_qla.cp import SEGMENT_CHUNKS
-from flash_qla.planner import (FUSED_FIT_US, OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, plan_block_v,
-                               plan_forward, plan_heads_per_cta, plan_irregular_block_v)
+from flash_qla.planner import (FUSED_FIT_US, OUT_CHAIN_COST, PREPARE_MAX_HEADS, STAGED_CHAIN_COST, chain_makespan,
+                               plan_block_v, plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 
 
 @pytest.mark.parametrize("n,hv,V,blocks,want", [
@@ -113,6 +113,24 @@ def test_cp_prices_the_qk_bytes_no_v_head_shares():
     cp = forward_plan(2048, 1, 16, 16, path="cp")
     shared = forward_plan(2048, 1, 4, 16, path="cp")  # the same chains reading a quarter of the q / k heads
     assert cp.predicted_us > shared.predicted_us and cp.predicted_us > plan.predicted_us
+
+
+def test_chain_makespan_fills_shorter_segments_in_behind():
+    # equal chains run in whole rounds
+    assert chain_makespan({64: 320}, 132) == 3 * 64
+    # 96 full segments and 64 half ones (14336 + 2048 tokens at 32 v-heads, L = 64, BV = 128): the half ones take
+    # the SMs the full ones leave, two to an SM, so the chain ends after one full segment's time plus a half one's
+    assert chain_makespan({64: 96, 32: 64}, 132) == 64
+    assert chain_makespan({64: 96, 32: 100}, 132) == 96
+    assert chain_makespan({5: 1, 3: 2}, 1) == 11
+
+
+def test_cp_with_host_lengths_counts_each_sequences_last_segment():
+    """14336 + 2048 tokens at 32 v-heads (16 q/k heads) with the lengths on the host: at L = 64 the long sequence's
+    partial fourth segment and the short one's only segment fill in behind the full ones (plan_sweep.jsonl: cp_L64
+    0.471 ms, cp_L32 0.505); counted in whole rounds, CP at L = 64 was predicted 25% over its time and L = 32 taken."""
+    plan = forward_plan(16384, 2, 16, 32, longest=14336)
+    assert (plan.path, plan.segment_chunks) == ("cp", 64)
 
 
 def test_heads_per_cta_divides_the_gva_ratio():
