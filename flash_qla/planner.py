@@ -270,17 +270,24 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                  allow_cp: bool = True, longest: Optional[int] = None) -> ForwardPlan:
     """The fastest predicted plan of a plain forward among the built variants, from what the host knows: token and
     sequence counts, and ``longest`` (the longest sequence's tokens) when the caller gave the lengths on the host
-    (cu_seqlens_cpu); without it lengths are taken equal. A chain kernel then takes the longer of the longest
-    sequence's chains (in rounds of their own: one sequence's v-heads and V blocks can outnumber the SMs) and its
-    rounds of mean chains. path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp False
+    (cu_seqlens_cpu); without it lengths are taken equal. A chain kernel then takes the makespan of the longest
+    sequence's chains dispatched first (one sequence's v-heads and V blocks can outnumber the SMs) and the other
+    sequences' chains, at their mean length, filling in behind them (chain_makespan). path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp False
     leaves intra-card CP out."""
     chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))  # the mean sequence's
     longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
 
     def chain_us(ctas: int, c: float, f: float) -> float:
-        # the longest sequence's own CTAs (ctas / num_seqs of them) take rounds of their own at its length
-        longest_rounds = _rounds(ctas / max(1, num_seqs), num_sms)
-        return max(longest_rounds * (longest_chunks * c + f), _rounds(ctas, num_sms) * (chunks * c + f))
+        if not longest or num_seqs < 2:
+            return _rounds(ctas, num_sms) * (chunks * c + f)
+        # the longest sequence's own CTAs (ctas / num_seqs of them) go first, the rest's (at their mean length) fill
+        # in behind them
+        own = math.ceil(ctas / num_seqs)
+        rest = max(0.0, (tokens / 64 - longest_chunks) / (num_seqs - 1))
+        lengths = {longest_chunks * c + f: own}
+        short = math.ceil(rest) * c + f
+        lengths[short] = lengths.get(short, 0) + ctas - own
+        return chain_makespan(lengths, num_sms)
     ratio = num_v_heads // num_qk_heads
     hpcs = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0 and heads_per_cta in (None, d)]
     plans = []

@@ -2,7 +2,7 @@
 
 For each shape of a set (grid: v-heads 4 to 128 with GVA ratios 2 and 4, K = V = 128, bf16, one long sequence,
 equal batches, unequal mixes and many short sequences; holdout: other head counts and lengths; standard: the
-benchmark matrix's forward rows), the forward is timed under each pinned plan:
+benchmark matrix's forward rows; mixes: unequal lengths outside the fit), the forward is timed under each pinned plan:
   fused  gdn_fwd_fused at V block 64 / 128 (no CP)
   split  gdn_prepare + gdn_fwd_chain at V block 64 / 128, each gdn_prepare heads-per-CTA the GVA ratio allows (no CP)
   cp     intra-card CP at each segment length the shape admits (the planner's V block and heads per CTA)
@@ -55,8 +55,21 @@ HOLDOUT_LENGTHS = [("1x8192", (8192,)), ("2x8192", (8192,) * 2), ("32x512", (512
                    ("512x16", (16,) * 512), ("1x65536", (65536,))]
 
 
+# unequal lengths the model was not fitted on, for the planner with the lengths on the host (plan_fit.py --check
+# --host-lengths): a long sequence beside short ones, and random mixes
+MIX_HEADS = [(2, 6), (2, 8), (4, 16), (8, 32), (10, 40), (16, 64)]
+
+
+def unequal_mixes() -> list:
+    rng = random.Random(11)
+    return [("3000+1000", (3000, 1000)), ("20000+700+700", (20000, 700, 700)),
+            ("mixed4", tuple(rng.choice((512, 2000, 5000, 9000)) for _ in range(4))),
+            ("mixed16", tuple(rng.choice((64, 300, 1500, 4000)) for _ in range(16)))]
+
+
 def shapes(which: str):
-    """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's forward rows)."""
+    """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's forward rows),
+    mixes (unequal lengths outside the fit)."""
     if which == "grid":
         for hq, hv in HEADS:
             for label, lens in length_mixes():
@@ -65,11 +78,15 @@ def shapes(which: str):
         for hq, hv in HOLDOUT_HEADS:
             for label, lens in HOLDOUT_LENGTHS:
                 yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
+    elif which == "mixes":
+        for hq, hv in MIX_HEADS:
+            for label, lens in unequal_mixes():
+                yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
     elif which == "standard":
         for row in iter_rows(load_matrix(), ("fwd",), ""):
             yield f"{row.model}|{row.label}", row.hq, row.hv, row.label, row.seqlens
     else:
-        raise ValueError(f"unknown shape set {which!r}: grid, holdout or standard")
+        raise ValueError(f"unknown shape set {which!r}: grid, holdout, standard or mixes")
 
 
 def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
@@ -121,7 +138,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--tolerance", type=float, default=0.03)
-    ap.add_argument("--sets", default="grid", help="comma-separated shape sets: grid, holdout, standard")
+    ap.add_argument("--sets", default="grid", help="comma-separated shape sets: grid, holdout, standard, mixes")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
     ap.add_argument("--only", default="", help="comma-separated candidate-name prefixes to time (with --merge)")
     ap.add_argument("--merge", default="", help="an earlier sweep whose rows give the other candidates' times")

@@ -133,6 +133,16 @@ def test_cp_with_host_lengths_counts_each_sequences_last_segment():
     assert (plan.path, plan.segment_chunks) == ("cp", 64)
 
 
+def test_host_lengths_let_short_sequences_fill_in_behind_the_longest():
+    """3000 + 1000 tokens at 40 v-heads (10 q/k heads), lengths on the host (plan_sweep_mixes.jsonl, outside the fit):
+    the fused kernel at BV = 64 is 160 CTAs, the long sequence's 80 in one round and the short one's 80 behind them
+    on the SMs left over or freed, ~one long chain in all (116 us predicted, 121 measured). Counted as two rounds of
+    the mean chain it was predicted slower than prepare + chain and that plan taken at 1.17x."""
+    plan = forward_plan(4000, 2, 10, 40, longest=3000)
+    assert (plan.path, plan.block_v) == ("fused", 64)
+    assert plan.predicted_us < 47 * FUSED_FIT_US[64][0] + FUSED_FIT_US[64][1] + 16 * FUSED_FIT_US[64][0]
+
+
 def test_heads_per_cta_divides_the_gva_ratio():
     for hq, hv in ((16, 48), (4, 12), (8, 8)):
         plan = forward_plan(8192, 256, hq, hv, path="split")
