@@ -1,5 +1,6 @@
 """scripts/plan_fit.py: the fused kernel's planner constants recovered from sweep rows made by the model itself."""
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -164,3 +165,24 @@ def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
         sweep.merged_times({"fused_bv64": 1.0}, None, ("fused",), names)
     with pytest.raises(SystemExit, match="lacks"):   # a candidate the earlier sweep never timed
         sweep.merged_times({"fused_bv64": 1.0, "fused_bv128": 1.1}, old, ("fused",), names + ("cp_L16",))
+
+
+def _committed(*names):
+    rows = []
+    for name in names:
+        with open(ROOT / "bench" / "results" / "h100" / name) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+@pytest.mark.parametrize("names,close,worst", [
+    (("plan_sweep.jsonl", "plan_sweep_l2norm.jsonl", "plan_sweep_short.jsonl"), 0.93, 1.12),  # the fitted shapes
+    (("plan_sweep_mixes.jsonl",), 0.80, 1.10),                                                 # unequal, outside it
+])
+def test_planner_with_host_lengths_against_the_committed_sweeps(names, close, worst):
+    """The planner as it stands, given the longest sequence as a caller passing cu_seqlens_cpu does, against every
+    plan timed on the H100 sweeps: the share of rows whose chosen plan is within 3% of the best, and the worst."""
+    results = plan_fit.check(_committed(*names), SMS, True, plan_fit.built, plan_fit.sweep_lengths())
+    ratios = sorted(r for r, _, _ in results)
+    assert len(ratios) >= 24
+    assert sum(r <= 1.03 for r in ratios) / len(ratios) >= close and ratios[-1] < worst, ratios[-5:]
