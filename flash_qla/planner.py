@@ -235,7 +235,8 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
     per_segment = num_v_heads * (head_dim_v // bv)  # out-chain CTAs a segment
     lengths = {}  # segment length in chunks -> out-chain CTAs of that length
-    for seq_chunks, seqs in ((longest_chunks, 1), (math.ceil(rest), num_seqs - 1)) if longest else ((chunks, num_seqs),):
+    groups = ((longest_chunks, 1), (math.ceil(rest), num_seqs - 1)) if longest else ((chunks, num_seqs),)
+    for seq_chunks, seqs in groups:  # (chunks of a sequence, sequences of that length)
         if seqs <= 0:
             continue
         full, part = divmod(seq_chunks, L)
@@ -246,9 +247,9 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     return (span, rounds, pre_rounds, math.ceil(longest_chunks / L), span * num_qk_heads / num_v_heads)
 
 
-def chain_makespan(lengths: Dict[int, int], num_sms: int) -> float:
-    """The out chain's time in chunks when CTAs of unequal chains (length -> count) go longest first, each to the SM
-    that frees first: a sequence's last, shorter segment fills in behind the full ones."""
+def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
+    """A chain kernel's time, in the lengths' unit, when CTAs of unequal chains (length -> count) go longest first,
+    each to the SM that frees first (gdn_plan's dispatch order): a shorter chain fills in behind the longer ones."""
     levels = {0: num_sms}  # SM finishing time -> SMs
     for length in sorted(lengths, reverse=True):
         left = lengths[length]
@@ -272,8 +273,8 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
     sequence counts, and ``longest`` (the longest sequence's tokens) when the caller gave the lengths on the host
     (cu_seqlens_cpu); without it lengths are taken equal. A chain kernel then takes the makespan of the longest
     sequence's chains dispatched first (one sequence's v-heads and V blocks can outnumber the SMs) and the other
-    sequences' chains, at their mean length, filling in behind them (chain_makespan). path / block_v / heads_per_cta narrow the choice (tuning pins); allow_cp False
-    leaves intra-card CP out."""
+    sequences' chains, at their mean length, filling in behind them (chain_makespan). path / block_v /
+    heads_per_cta narrow the choice (tuning pins); allow_cp False leaves intra-card CP out."""
     chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))  # the mean sequence's
     longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
 

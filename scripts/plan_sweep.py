@@ -64,7 +64,8 @@ def unequal_mixes() -> list:
     rng = random.Random(11)
     return [("3000+1000", (3000, 1000)), ("20000+700+700", (20000, 700, 700)),
             ("mixed4", tuple(rng.choice((512, 2000, 5000, 9000)) for _ in range(4))),
-            ("mixed16", tuple(rng.choice((64, 300, 1500, 4000)) for _ in range(16)))]
+            ("mixed16", tuple(rng.choice((64, 300, 1500, 4000)) for _ in range(16))),
+            ("1000+3000", (1000, 3000)), ("700+700+20000", (700, 700, 20000))]  # the longest last
 
 
 def shapes(which: str):
