@@ -220,23 +220,30 @@ def cp_prepare_us(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: in
     return _prepare_us(chunks, num_seqs, num_v_heads, num_qk_heads, hpc, num_sms, l2norm)
 
 
+def length_groups(tokens: int, num_seqs: int, longest: Optional[int] = None) -> tuple:
+    """The batch's sequences as the host sees them, ((chunks of a sequence, sequences of that length), ...): equal
+    lengths, or with a known longest sequence it and the rest at their mean (rounded up to whole chunks)."""
+    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
+    if not longest or num_seqs < 2:
+        return ((max(chunks, math.ceil(longest / 64)) if longest else chunks, num_seqs),)
+    longest_chunks = max(chunks, math.ceil(longest / 64))
+    rest = max(0.0, (tokens / 64 - longest_chunks) / (num_seqs - 1))
+    return (longest_chunks, 1), (math.ceil(rest), num_seqs - 1)
+
+
 def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
                 chain_blocks: tuple, L: int, longest: Optional[int] = None) -> tuple:
     """CP_FIT_US's features of intra-card CP at segments of L chunks: (the out chain's makespan in chunks, out-chain
     rounds, pre-pass rounds, the longest sequence's segments, the makespan x q/k heads / v-heads). With a known
     longest sequence, it and the rest's mean give the segments and their lengths (the count an upper bound)."""
-    chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))
-    longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
-    rest = (tokens / 64 - longest_chunks) / max(1, num_seqs - 1) if longest else chunks
-    segments = (math.ceil(longest_chunks / L) + (num_seqs - 1) * math.ceil(rest / L) if longest
-                else math.ceil(chunks / L) * num_seqs)
+    groups = length_groups(tokens, num_seqs, longest)
+    segments = sum(math.ceil(seq_chunks / L) * seqs for seq_chunks, seqs in groups)
     bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
     rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
     pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
     per_segment = num_v_heads * (head_dim_v // bv)  # out-chain CTAs a segment
     lengths = {}  # segment length in chunks -> out-chain CTAs of that length
-    groups = ((longest_chunks, 1), (math.ceil(rest), num_seqs - 1)) if longest else ((chunks, num_seqs),)
-    for seq_chunks, seqs in groups:  # (chunks of a sequence, sequences of that length)
+    for seq_chunks, seqs in groups:
         if seqs <= 0:
             continue
         full, part = divmod(seq_chunks, L)
@@ -244,7 +251,7 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
         if part:
             lengths[part] = lengths.get(part, 0) + seqs * per_segment
     span = chain_makespan(lengths, num_sms)
-    return (span, rounds, pre_rounds, math.ceil(longest_chunks / L), span * num_qk_heads / num_v_heads)
+    return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads)
 
 
 def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
@@ -284,11 +291,9 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             return _rounds(ctas, num_sms) * (chunks * c + f)
         # the longest sequence's own CTAs (ctas / num_seqs of them) go first, the rest's (at their mean length) fill
         # in behind them
-        own = math.ceil(ctas / num_seqs)
-        rest = max(0.0, (tokens / 64 - longest_chunks) / (num_seqs - 1))
-        lengths = {longest_chunks * c + f: own}
-        short = math.ceil(rest) * c + f
-        lengths[short] = lengths.get(short, 0) + ctas - own
+        lengths = {}
+        for seq_chunks, seqs in length_groups(tokens, num_seqs, longest):
+            lengths[seq_chunks * c + f] = lengths.get(seq_chunks * c + f, 0) + seqs * ctas // num_seqs
         return chain_makespan(lengths, num_sms)
     ratio = num_v_heads // num_qk_heads
     hpcs = [d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0 and heads_per_cta in (None, d)]

@@ -157,7 +157,7 @@ def sweep_lengths() -> dict:
     spec = importlib.util.spec_from_file_location("plan_sweep", Path(__file__).resolve().parent / "plan_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    return {name: tuple(lens) for which in ("grid", "holdout", "standard", "mixes")
+    return {name: tuple(lens) for which in sweep.SETS
             for name, _, _, _, lens in sweep.shapes(which)}
 
 

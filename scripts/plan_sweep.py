@@ -68,6 +68,9 @@ def unequal_mixes() -> list:
             ("1000+3000", (1000, 3000)), ("700+700+20000", (700, 700, 20000))]  # the longest last
 
 
+SETS = ("grid", "holdout", "standard", "mixes")
+
+
 def shapes(which: str):
     """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's forward rows),
     mixes (unequal lengths outside the fit)."""
@@ -87,7 +90,7 @@ def shapes(which: str):
         for row in iter_rows(load_matrix(), ("fwd",), ""):
             yield f"{row.model}|{row.label}", row.hq, row.hv, row.label, row.seqlens
     else:
-        raise ValueError(f"unknown shape set {which!r}: grid, holdout, standard or mixes")
+        raise ValueError(f"unknown shape set {which!r}: one of {', '.join(SETS)}")
 
 
 def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
@@ -139,7 +142,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--tolerance", type=float, default=0.03)
-    ap.add_argument("--sets", default="grid", help="comma-separated shape sets: grid, holdout, standard, mixes")
+    ap.add_argument("--sets", default="grid", help=f"comma-separated shape sets: {', '.join(SETS)}")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
     ap.add_argument("--only", default="", help="comma-separated candidate-name prefixes to time (with --merge)")
     ap.add_argument("--merge", default="", help="an earlier sweep whose rows give the other candidates' times")

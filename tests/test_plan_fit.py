@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import repo_text
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("plan_fit", ROOT / "scripts" / "plan_fit.py")
@@ -168,11 +169,8 @@ def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
 
 
 def _committed(*names):
-    rows = []
-    for name in names:
-        with open(ROOT / "bench" / "results" / "h100" / name) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
+    return [json.loads(line) for name in names
+            for line in repo_text("bench", "results", "h100", name).splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("names,close,worst", [
