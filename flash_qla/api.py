@@ -16,7 +16,7 @@ import torch
 
 from . import gates, reference, states
 from .tuning import settings
-from .validation import Problem, check_cu_seqlens_cpu, check_keywords, host_longest, validate_inputs
+from .validation import Problem, check_cu_seqlens_cpu, check_keywords, host_lengths, validate_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
 _CAPABILITY: dict = {}
@@ -84,7 +84,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     * ``use_beta_sigmoid_in_kernel``: beta holds logits, sigmoid(beta) is used (2 * sigmoid with
       ``allow_neg_eigval``, which requires it).
     * g, beta and initial_state may be float16 / bfloat16 (converted to float32); the final state is float32.
-    * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync);
+    * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync: the forward
+      is planned from them, and the fused kernel starts at the longest sequence wherever it sits in the batch);
       ``chunk_indices``: FLA's precomputed chunk table, checked and not needed (the kernels plan chunks on the
       device); ``chunk_size`` in (16, 32, 64): accepted, the results do not depend on it (the kernels use 64).
     * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp=False``: the forward takes no
@@ -119,7 +120,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         fast = _FAST.get(signature)
         if fast is not None and not torch.compiler.is_compiling():
             if cu_seqlens_cpu is not None:  # its values change from call to call: checked, and they pick the plan
-                fast = fast.for_longest(host_longest(cu_seqlens_cpu, q.shape[1]))
+                fast = fast.for_lengths(host_lengths(cu_seqlens_cpu, q.shape[1]))
             return fast(q, k, v, g, beta, initial_state, cu_seqlens)
     check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,

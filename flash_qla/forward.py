@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import cp
+from . import cp, planner
 from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
@@ -167,7 +167,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
-                               fused_bv, stream, state_io, gate, plan.fused_ctas)
+                               fused_bv, stream, state_io, gate, plan.fused_ctas, plan.longest_first)
         return o, ht, None, (cu_seqlens, None)
     # the backward asks for zeroed words (saved["zero_words"]: gdn_gate_bwd's tickets) in the plan's allocation
     cu, offsets, order, zeros = _offsets(problem, cu_seqlens, dev, stream, want_order=saved is not None,
@@ -284,13 +284,16 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
 
 
 def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
-                  want_gate_free_inverse: bool, longest: Optional[int] = None, allow_cp: bool = True) -> ForwardPlan:
+                  want_gate_free_inverse: bool, longest: Optional[int] = None, allow_cp: bool = True,
+                  unordered: bool = False) -> ForwardPlan:
     """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP), V block, gdn_prepare
     heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants), narrowed by the
     tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0: no CP). A
     forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel. longest: the
-    longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal). allow_cp
-    False: no intra-card CP (FlashQLA's auto_cp=False)."""
+    longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal);
+    unordered: those lengths are not longest first, so a fused plan of up to planner.FUSED_ORDER_MAX sequences has
+    the kernel walk them longest first (the makespan the planner prices). allow_cp False: no intra-card CP
+    (FlashQLA's auto_cp=False)."""
     K, V = problem.head_dim_k, problem.head_dim_v
     forced_l = settings.force_segment_chunks
     if forced_l:
@@ -299,11 +302,14 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
              tuple(built_blocks(FUSED_KERNEL, None, tag, K, V, int(l2norm))))
     chain = tuple(built_blocks(CHAIN_KERNEL, "out", tag, K, V))
     bv = settings.force_block_v if settings.force_block_v in fused + chain else None
-    return plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
+    plan = plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
                         V, num_sms(device), fused, chain, cp.SEGMENT_CHUNKS, bool(l2norm),
                         path="fused" if settings.use_fused and fused else None, block_v=bv,
                         heads_per_cta=settings.force_heads_per_cta, allow_cp=allow_cp and forced_l is None,
                         longest=longest)
+    if unordered and plan.path == "fused" and problem.num_seqs <= planner.FUSED_ORDER_MAX:
+        return plan._replace(longest_first=True)
+    return plan
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:
@@ -315,9 +321,10 @@ def _heads_per_cta(problem: Problem, device: torch.device) -> int:
 
 def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_state: bool, l2norm: bool, tag: str,
                    bv: int, stream, state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE,
-                   ctas: Optional[int] = None):
+                   ctas: Optional[int] = None, longest_first: bool = False):
     """The forward in one launch (gdn_fwd_fused at V block bv, at most ctas persistent CTAs: the plan's, else the
-    tuning pin's or FUSED_PERSISTENT_CTAS): (o [T, Hv, V], final state or an empty tensor)."""
+    tuning pin's or FUSED_PERSISTENT_CTAS; longest_first: it walks the sequences longest first, ranked by the
+    kernel): (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
@@ -328,6 +335,7 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
              "gate_mode": gate.mode, "max_ctas": settings.fused_ctas_max or ctas or FUSED_PERSISTENT_CTAS,
+             "longest_first": int(longest_first),
              "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
             {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),

@@ -23,7 +23,7 @@ from .launch import (DTYPE_TAG, PICK_KERNEL, address, current_stream, dense, emp
 from .planner import ForwardPlan
 from .states import PLAIN_IO, StateIO
 from .tuning import settings
-from .validation import Problem, host_longest, validate_kernel_inputs
+from .validation import HostLengths, Problem, host_lengths, validate_kernel_inputs
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "run_forward",
            "run_backward", "supported_head_dims"]
@@ -210,7 +210,7 @@ class Call:
                  "state_io", "gate_mode", "allow_cp")
 
     def __init__(self, problem: Problem, device: torch.device, dtype: torch.dtype, has_h0: bool,
-                 output_final_state: bool, l2norm: bool, longest: Optional[int] = None,
+                 output_final_state: bool, l2norm: bool, lengths: Optional[HostLengths] = None,
                  state_io: StateIO = PLAIN_IO, allow_cp: bool = True, gate_mode: int = 0):
         self.problem, self.device, self.dtype, self.has_h0 = problem, device, dtype, has_h0
         # FLA's activations in the kernels (gates.KernelGate's mode); A_log / dt_bias come with each call
@@ -221,9 +221,9 @@ class Call:
         # host-known lengths plan the forward from the longest sequence: the plan (not the lengths) joins the key,
         # so batches that plan alike share one recorded plan
         self.plan = None
-        if longest is not None or not allow_cp:
-            self.plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest, allow_cp)
-            self.key += (self.plan[:4],)
+        if lengths is not None or not allow_cp:
+            self.plan = _plan(problem, dtype, device, l2norm, lengths, allow_cp)
+            self.key += (_plan_key(self.plan),)
         # the caller's state layout / pool, read and written by the kernels (state_io: see native_state_io); its
         # index table and separate write target are inputs of the plan, traced like q or k
         self.state_io = state_io
@@ -232,16 +232,15 @@ class Call:
         if gate_mode:
             self.key += ("gate", gate_mode)
 
-    def for_longest(self, longest: Optional[int]) -> "Call":
-        """This signature's call for a batch whose longest sequence is ``longest`` tokens (None: equal lengths)."""
-        if longest is None:
+    def for_lengths(self, lengths: Optional[HostLengths]) -> "Call":
+        """This signature's call for a batch of these host-known lengths (None: equal lengths)."""
+        if lengths is None:
             return self
-        plan = forward_plan(self.problem, DTYPE_TAG[self.dtype], self.device, self.l2norm, False, longest,
-                            self.allow_cp)[:4]
+        plan = _plan_key(_plan(self.problem, self.dtype, self.device, self.l2norm, lengths, self.allow_cp))
         call = self._by_plan.get(plan)
         if call is None:
             call = self._by_plan[plan] = Call(self.problem, self.device, self.dtype, self.has_h0,
-                                              self.output_final_state, self.l2norm, longest, allow_cp=self.allow_cp,
+                                              self.output_final_state, self.l2norm, lengths, allow_cp=self.allow_cp,
                                               gate_mode=self.gate_mode)
         return call
 
@@ -315,17 +314,27 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         return None, dq, dk, dv, dg, dbeta, dh0, None, dA_log, d_dt_bias
 
 
-def host_longest_of(problem: Problem, cu_seqlens_cpu) -> Optional[int]:
-    """The longest sequence's tokens from cu_seqlens' host copy (None: not given, or a single sequence)."""
-    return None if cu_seqlens_cpu is None else host_longest(cu_seqlens_cpu, problem.batch * problem.tokens)
+def _plan(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
+          lengths: Optional[HostLengths], allow_cp: bool) -> ForwardPlan:
+    return forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, lengths.longest if lengths else None,
+                        allow_cp, bool(lengths and lengths.unordered))
+
+
+def _plan_key(plan: ForwardPlan) -> tuple:
+    """What of a forward plan its recording depends on (not its predicted time)."""
+    return plan[:4] + (plan.longest_first,)
+
+
+def host_lengths_of(problem: Problem, cu_seqlens_cpu) -> Optional[HostLengths]:
+    """The longest sequence from cu_seqlens' host copy (None: not given, or a single sequence)."""
+    return None if cu_seqlens_cpu is None else host_lengths(cu_seqlens_cpu, problem.batch * problem.tokens)
 
 
 def native_state_io_for(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
                         cu_seqlens_cpu=None, auto_cp: Optional[bool] = None) -> bool:
     """Whether this call's forward plan lets the kernels read and write the caller's states as they are (every
     plan but intra-card CP; forward.native_state_io)."""
-    longest = host_longest_of(problem, cu_seqlens_cpu)
-    plan = forward_plan(problem, DTYPE_TAG[dtype], device, l2norm, False, longest, auto_cp is not False)
+    plan = _plan(problem, dtype, device, l2norm, host_lengths_of(problem, cu_seqlens_cpu), auto_cp is not False)
     return native_state_io(problem, dtype, device, l2norm, plan=plan)
 
 
@@ -344,7 +353,7 @@ def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_fina
     else:
         validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
-                use_qk_l2norm_in_kernel, host_longest_of(problem, cu_seqlens_cpu), state_io,
+                use_qk_l2norm_in_kernel, host_lengths_of(problem, cu_seqlens_cpu), state_io,
                 auto_cp is not False, gate.mode)(q, k, v, g, beta, initial_state, cu_seqlens, gate.A_log, gate.dt_bias)
 
 

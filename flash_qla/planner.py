@@ -134,6 +134,8 @@ FUSED_FIT_US = {64: (2.311, 7.49), 128: (3.201, 11.27)}       # gdn_fwd_fused: (
 # FUSED_FIT_US's per-chunk time: the next item's loads and products overlap the current one's chain (one persistent
 # per-chunk time put 4-chunk batches of 4096+ items at 1.06-1.10x their time)
 FUSED_PERSISTENT_CTAS = 528
+# gdn_fwd_fused orders at most FUSED_ORDER_MAX sequences longest first (aot/kernels/gdn_fwd_fused.ORDER_MAX)
+FUSED_ORDER_MAX = 128
 # Batches of one-chunk sequences up to FUSED_ONE_ROUND_ITEMS items an SM run one CTA an SM instead: each CTA walks its
 # items with the next item's inputs, products and state in flight, where a grid of 528 starts every item cold (H100,
 # same call, bit-identical outputs, bench/results/h100/fused_ctas_ab.jsonl: 1.06-1.13x on 256-1024 items of 8-64
@@ -163,6 +165,7 @@ class ForwardPlan(NamedTuple):
     segment_chunks: Optional[int]    # CP's L
     predicted_us: float
     fused_ctas: Optional[int] = None  # gdn_fwd_fused's persistent grid cap (None: FUSED_PERSISTENT_CTAS)
+    longest_first: bool = False       # gdn_fwd_fused walks the sequences longest first (host lengths out of order)
 
 
 def _fit(table: dict, bv: int) -> tuple:

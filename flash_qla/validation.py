@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -217,7 +217,13 @@ def check_keywords(*, head_first, chunk_size, use_gate_in_kernel, A_log, dt_bias
         raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens")
 
 
-def host_longest(cu_seqlens_cpu: torch.Tensor, tokens: int) -> Optional[int]:
+class HostLengths(NamedTuple):
+    """What the forward's plan takes from lengths known on the host."""
+    longest: int      # the longest sequence's tokens
+    unordered: bool   # not longest first: a longer sequence follows a shorter one
+
+
+def host_lengths(cu_seqlens_cpu: torch.Tensor, tokens: int) -> Optional[HostLengths]:
     """The longest sequence of a host cu_seqlens whose shape and dtype passed before (the API's fast lane), after
     checking its values as check_cu_seqlens does; None for a single sequence (its length is the token count)."""
     cu = cu_seqlens_cpu.tolist()
@@ -225,7 +231,8 @@ def host_longest(cu_seqlens_cpu: torch.Tensor, tokens: int) -> Optional[int]:
         check_cu_seqlens(cu_seqlens_cpu, 1, tokens)  # names the problem
     if len(cu) <= 2:
         return None
-    return max(b - a for a, b in zip(cu, cu[1:]))
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    return HostLengths(max(lengths), any(a < b for a, b in zip(lengths, lengths[1:])))
 
 
 def check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens: torch.Tensor, batch: int, tokens: int) -> None:

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import flash_qla
-from flash_qla import cp, plans
+from flash_qla import cp, planner, plans
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import BenchRow, iter_rows, load_matrix
 from flash_qla.bench.timing import graph_median_ms
@@ -124,12 +124,14 @@ def merged_times(timed: dict, old_row, only: tuple, names) -> dict:
     return times
 
 
-def time_plan(x, pins: dict, device, l2norm: bool) -> float:
+def time_plan(x, pins: dict, device, l2norm: bool, cu_cpu=None) -> float:
+    """A plan's CUDA-graph median; cu_cpu: the lengths on the host (the planner's choice and a fused plan's order
+    follow them)."""
     def run():
         with torch.no_grad():
             return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
                                                     output_final_state=True, cu_seqlens=x.cu_seqlens,
-                                                    use_qk_l2norm_in_kernel=l2norm)
+                                                    cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=l2norm)
     with override(**pins):
         ms, why = graph_median_ms(run, device, replays=5, rounds=3)
     if ms is None:
@@ -144,10 +146,17 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.03)
     ap.add_argument("--sets", default="grid", help=f"comma-separated shape sets: {', '.join(SETS)}")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
+    ap.add_argument("--host-lengths", action="store_true",
+                    help="pass cu_seqlens_cpu: the planner plans from the lengths and the fused kernel walks lengths "
+                         "out of order longest first")
+    ap.add_argument("--batch-order", action="store_true",
+                    help="with --host-lengths, the fused kernel keeps the batch's order (the longest-first walk's A/B)")
     ap.add_argument("--only", default="", help="comma-separated candidate-name prefixes to time (with --merge)")
     ap.add_argument("--merge", default="", help="an earlier sweep whose rows give the other candidates' times")
     args = ap.parse_args()
     only = tuple(p for p in args.only.split(",") if p)
+    if args.batch_order:
+        planner.FUSED_ORDER_MAX = 0
     if bool(only) != bool(args.merge):
         raise SystemExit("plan_sweep: --only and --merge go together")
     old_rows = {}
@@ -163,15 +172,17 @@ def main() -> int:
                     continue
                 x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
                 cands = candidates(hq, hv, lens, args.l2norm)
-                timed = {c: time_plan(x, pins, device, args.l2norm)
+                cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
+                timed = {c: time_plan(x, pins, device, args.l2norm, cu_cpu)
                          for c, pins in cands.items() if c.startswith(only or "")}
                 times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only, cands)
-                planned = time_plan(x, {}, device, args.l2norm)
+                planned = time_plan(x, {}, device, args.l2norm, cu_cpu)
                 best = min(times, key=times.get)
                 ratio = planned / min(times[best], planned)
                 worst = max(worst, ratio)
                 rec = dict(set=which, shape=name, hq=hq, hv=hv, tokens=sum(lens), seqs=len(lens),
-                           equal_lengths=len(set(lens)) == 1, l2norm=args.l2norm,
+                           equal_lengths=len(set(lens)) == 1, l2norm=args.l2norm, host_lengths=args.host_lengths,
+                           batch_order=args.batch_order,
                            planned_ms=round(planned, 4), best=best, best_ms=round(times[best], 4),
                            ratio=round(ratio, 4), candidates={c: round(t, 4) for c, t in times.items()})
                 f.write(json.dumps(rec) + "\n")

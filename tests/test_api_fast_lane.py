@@ -124,12 +124,15 @@ def test_the_table_is_bounded(monkeypatch):
 
 
 def test_host_offsets_are_checked_on_the_fast_lane():
-    from flash_qla.validation import host_longest
-    assert host_longest(torch.tensor([0, 2, 7, 9]), 9) == 5
-    assert host_longest(torch.tensor([0, 9]), 9) is None
+    from flash_qla.validation import host_lengths
+    assert host_lengths(torch.tensor([0, 2, 7, 9]), 9) == (5, True)    # a longer sequence after a shorter one
+    assert host_lengths(torch.tensor([0, 5, 7, 9]), 9) == (5, False)   # longest first
+    assert host_lengths(torch.tensor([0, 5, 6, 9]), 9) == (5, True)    # 5, 1, 3
+    assert host_lengths(torch.tensor([0, 3, 6, 9]), 9) == (3, False)   # equal lengths
+    assert host_lengths(torch.tensor([0, 9]), 9) is None
     for bad, msg in (([0, 5, 3, 9], "non-decreasing"), ([1, 5, 9], "start at 0"), ([0, 5, 8], "end at the token")):
         with pytest.raises(ValueError, match=msg):
-            host_longest(torch.tensor(bad), 9)
+            host_lengths(torch.tensor(bad), 9)
 
 
 def test_signatures_tell_host_offsets_apart():

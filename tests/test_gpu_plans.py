@@ -147,6 +147,36 @@ def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("lengths,hv,ctas", [
+    ([1000, 3000], 32, None),
+    # 40 sequences (more than one warp's lanes), long ones late and between short ones; 7 CTAs walk ~90 items each
+    ([40] * 30 + [700, 64, 1, 65, 300, 700, 2, 130, 64, 9], 8, 7),
+])
+@pytest.mark.parametrize("bv", [64, 128])
+def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, hv, ctas, bv):
+    """Host lengths out of order: the fused kernel ranks the sequences and walks them longest first (longest_first),
+    and every output and final state is bit-identical to the batch's order (each item is made alone, so only which
+    CTA makes it, and when, changes) and close to the fp64 reference."""
+    from flash_qla import forward as fwd, reference
+    from test_gpu_forward import TOL, fp64_reference
+    x = draw(lengths, 2, hv, 128, 128, torch.bfloat16, seed=12)
+    cu_cpu = x["cu_seqlens"].cpu()
+    sizes = []
+    launch = fwd.launch
+    monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (sizes.append(sz.get("longest_first")),
+                                                                           launch(name, variant, dev, sz, *a)))
+    with torch.no_grad(), override(use_fused=True, force_block_v=bv, force_segment_chunks=0, fused_ctas_max=ctas,
+                                   replay=False):
+        rotated = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu)
+        in_order = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert sizes == [1, 0], sizes
+    assert torch.isfinite(rotated[0]).all() and torch.isfinite(rotated[1]).all()
+    assert torch.equal(rotated[0], in_order[0]) and torch.equal(rotated[1], in_order[1])
+    o, ht = fp64_reference(x)
+    assert reference.relative_l2(rotated[0], o) <= TOL[torch.bfloat16]
+    assert reference.relative_l2(rotated[1], ht) <= TOL[torch.bfloat16]
+
+
 def test_auto_cp_false_plans_no_intra_card_cp():
     """FlashQLA's auto_cp=False: a shape the planner runs with intra-card CP runs without it, with the same results
     as the call pinned to the plain path."""

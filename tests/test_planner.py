@@ -201,3 +201,39 @@ def test_backward_chains_plan_batches_for_unequal_chains(monkeypatch, hq, hv, to
                      num_seqs=1, scale=128 ** -0.5, varlen=False)  # one sequence: equal chains, planned by waves
     assert fwd._block_v(single, "bf16", cpu, kernel=launch.RECOMPUTE_KERNEL, mode="save") == plan_block_v(
         1, hv, 128, [32, 64], 132, STAGED_CHAIN_COST)
+
+
+def test_unordered_host_lengths_walk_the_fused_kernel_longest_first(monkeypatch):
+    """Host lengths not longest first: a fused plan of up to FUSED_ORDER_MAX sequences has the kernel walk them
+    longest first (the makespan the planner prices); other paths, ordered lengths and larger batches keep the batch's
+    order, and the recorded plans of the two orders are told apart. FUSED_ORDER_MAX is the kernel's ORDER_MAX."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from flash_qla import forward as fwd
+    from flash_qla.kernel_api import _plan_key
+    from flash_qla.planner import FUSED_ORDER_MAX
+    from flash_qla.tuning import override
+    from flash_qla.validation import Problem
+    src = (Path(__file__).resolve().parents[1] / "aot" / "kernels" / "gdn_fwd_fused.py")
+    if src.exists():  # beside the installed wheel the kernels' source is not there
+        found = re.search(r"^ORDER_MAX = (\d+)", src.read_text(), re.M)
+        assert found and int(found.group(1)) == FUSED_ORDER_MAX
+    monkeypatch.setattr(fwd, "num_sms", lambda device: 132)
+
+    def problem(n):
+        return Problem(batch=1, tokens=4096, num_qk_heads=8, num_v_heads=40, head_dim_k=128, head_dim_v=128,
+                       num_seqs=n, scale=128 ** -0.5, varlen=True)
+    cpu = torch.device("cpu")
+    unordered = fwd.forward_plan(problem(2), "bf16", cpu, False, False, 3072, unordered=True)
+    ordered = fwd.forward_plan(problem(2), "bf16", cpu, False, False, 3072)
+    assert unordered.path == "fused" and unordered.longest_first and not ordered.longest_first
+    assert unordered[:5] == ordered[:5] and _plan_key(unordered) != _plan_key(ordered)
+    with override(use_fused=True):
+        many = fwd.forward_plan(problem(FUSED_ORDER_MAX + 1), "bf16", cpu, False, False, 2048, unordered=True)
+    assert many.path == "fused" and not many.longest_first
+    with override(use_fused=False):
+        split = fwd.forward_plan(problem(2), "bf16", cpu, False, False, 3072, unordered=True)
+    assert split.path != "fused" and not split.longest_first

@@ -22,11 +22,14 @@ Rows past the sequence end: beta = 0 and g = 0 there (gamma stays at its last va
 finite, Agb has zero columns there and et = 0: they reach no valid row; they are not stored.
 State I/O as gdn_fwd_chain's out build: [.., K, V] or V-first states, read from / written to a pool's rows through
 state_idx (state_mode, aot/kernels/state_io.py).
-Persistent CTAs: at most max_ctas CTAs (a launch parameter), each walking the items (sequence, v-head, V block) cta, cta + ctas, ...
-one after the other through the same stages, so the producer and the aux warpgroup run ahead into the next item's
-chunks while the consumers finish one; the consumers start each item by asking L2 for the next item's initial state
-(cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and the state bytes
-stream while the chains compute. With one item a CTA it is the one-CTA-per-item kernel.
+Persistent CTAs: at most max_ctas CTAs (a launch parameter), each walking the items (sequence, v-head, V block)
+cta, cta + ctas, ... one after the other through the same stages, so the producer and the aux warpgroup run ahead
+into the next item's chunks while the consumers finish one; the consumers start each item by asking L2 for the next
+item's initial state (cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and
+the state bytes stream while the chains compute. With longest_first (batches of up to ORDER_MAX sequences) the walk
+takes the sequences longest first, ranked in shared memory by every CTA, so the short ones fill in behind the long
+ones (a long sequence late in the batch otherwise starts late and sets the kernel's time). With one item a CTA it is
+the one-CTA-per-item kernel.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -60,6 +63,7 @@ STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to 
 # the host's default cap of the persistent grid: four per SM of a 132-SM card (one CTA fits an SM), so that a card
 # with fewer SMs (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
 PERSISTENT_CTAS = 528
+ORDER_MAX = 128  # longest_first's largest batch (planner.FUSED_ORDER_MAX): N loads and N^2 / threads compares a CTA
 PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
 # fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes); the
 # accumulator helpers of fragment_io.py (O^T and P by stmatrix, W^T by ldmatrix)
@@ -68,6 +72,28 @@ __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) 
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 """ + FRAGMENT_PRELUDE
+
+
+@T.macro
+def seq_at(i, longest_first, order_s):
+    """The batch's sequence at position i of the CTAs' walk."""
+    return T.if_then_else(longest_first != 0, order_s[T.min(i, ORDER_MAX - 1)], i)
+
+
+@T.macro
+def order_by_length(cu_seqlens, N, tx, len_s, order_s):
+    """order_s[:N] = the sequences longest first (ties in batch order), N <= ORDER_MAX: thread tx < N ranks
+    sequence tx against every length (len_s), then writes it at its rank. Two CTA barriers."""
+    if tx < N:
+        len_s[tx] = cu_seqlens[tx + 1] - cu_seqlens[tx]
+    T.sync_threads()
+    if tx < N:
+        rank = T.alloc_var("int32")
+        rank = 0
+        for j in T.serial(N):
+            rank += T.if_then_else(len_s[j] > len_s[tx] or (len_s[j] == len_s[tx] and j < tx), 1, 0)
+        order_s[rank] = tx
+    T.sync_threads()
 
 
 def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
@@ -111,6 +137,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         state_mode: T.int32,
         gate_mode: T.int32,
         max_ctas: T.int32,         # the persistent grid's size cap (the host's: PERSISTENT_CTAS or one per SM)
+        longest_first: T.int32,    # 1: the sequences longest first (the host's choice; N <= ORDER_MAX)
     ):
         with T.Kernel(T.min(N * Hv * NB, max_ctas), threads=THREADS, prelude=PRELUDE) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
@@ -141,7 +168,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             full = T.alloc_barrier([32] * stages)
             ready = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([128 * NC] * stages)
-            # this CTA's items: cta, cta + ctas, ... in the order (sequence, v-head, V block), the V block fastest
+            # this CTA's items: cta, cta + ctas, ... in the order (sequence, v-head, V block), the V block fastest;
+            # with longest_first the sequences go longest first (order_s), so the short ones fill in behind the long
+            # ones instead of a long one starting last and setting the kernel's time
+            len_s = T.alloc_shared((ORDER_MAX,), "int32")
+            order_s = T.alloc_shared((ORDER_MAX,), "int32")
+            if longest_first != 0:
+                order_by_length(cu_seqlens, N, T.get_thread_binding(), len_s, order_s)
             ctas = T.min(N * Hv * NB, max_ctas)
             items = T.ceildiv(N * Hv * NB - cta, ctas)
             bos = T.alloc_var("int32")
@@ -157,7 +190,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             chunks = T.alloc_var("int32")  # the CTA's chunks, over all its items
             chunks = 0
             for ii in T.serial(items):
-                n = (cta + ii * ctas) // (Hv * NB)
+                n = seq_at((cta + ii * ctas) // (Hv * NB), longest_first, order_s)
                 chunks = chunks + T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
             tx = T.get_thread_binding()
             if tx >= PROD0:
@@ -168,11 +201,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     bv_ = T.alloc_local((2,), "float32")
                     up = T.alloc_local((1,), "float32")
                     last = T.alloc_local((1,), "float32")
-                    it = 0
+                    it = cta
                     cb = 0
-                    n = cta // (Hv * NB)
-                    h = cta // NB % Hv
-                    vb = cta % NB
+                    n = seq_at(it // (Hv * NB), longest_first, order_s)
+                    h = it // NB % Hv
+                    vb = it % NB
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     hk = h // (Hv // Hq)
@@ -187,10 +220,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         # the item that holds the CTA's chunk c (an item of no chunk is passed over)
                         while c - cb >= T.ceildiv(eos - bos, C):
                             cb = cb + T.ceildiv(eos - bos, C)
-                            it = it + 1
-                            n = (cta + it * ctas) // (Hv * NB)
-                            h = (cta + it * ctas) // NB % Hv
-                            vb = (cta + it * ctas) % NB
+                            it = it + ctas
+                            n = seq_at(it // (Hv * NB), longest_first, order_s)
+                            h = it // NB % Hv
+                            vb = it % NB
                             bos = cu_seqlens[n]
                             eos = cu_seqlens[n + 1]
                             hk = h // (Hv // Hq)
@@ -329,7 +362,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 cc = T.alloc_var("int32")    # the CTA's chunks done: stage and barrier phase
                 cc = 0
                 for ci in T.serial(items):
-                    n = (cta + ci * ctas) // (Hv * NB)
+                    n = seq_at((cta + ci * ctas) // (Hv * NB), longest_first, order_s)
                     h = (cta + ci * ctas) // NB % Hv
                     vb = (cta + ci * ctas) % NB
                     bos = cu_seqlens[n]
@@ -337,17 +370,17 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
                         # the next item's initial state into L2 while this one runs (its load then hits L2)
                         nxt = cta + (ci + 1) * ctas
-                        prow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[nxt // (Hv * NB)],
-                                              nxt // (Hv * NB))
-                        if prow >= 0 and prow < H0R:
+                        srow = seq_at(nxt // (Hv * NB), longest_first, order_s)  # here: the next item's row
+                        srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[srow], srow)
+                        if srow >= 0 and srow < H0R:
                             if NB == 1 or (state_mode & V_FIRST) != 0:  # its rows are one contiguous block
                                 if ct == 0:
                                     T.call_extern("handle", "fqla_prefetch_l2",
-                                                  T.address_of(h0[prow, nxt // NB % Hv, nxt % NB * BV * K]),
+                                                  T.address_of(h0[srow, nxt // NB % Hv, nxt % NB * BV * K]),
                                                   BV * K * 4)
                             elif ct < K:  # [K, V] with V blocks: K rows of BV floats
                                 T.call_extern("handle", "fqla_prefetch_l2",
-                                              T.address_of(h0[prow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
+                                              T.address_of(h0[srow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
                     srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
                     if use_h0 == 0 or srow < 0:
                         T.clear(st)
