@@ -323,19 +323,18 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
                    bv: int, stream, state_io: StateIO = PLAIN_IO, gate: KernelGate = NO_GATE,
                    ctas: Optional[int] = None, longest_first: bool = False):
     """The forward in one launch (gdn_fwd_fused at V block bv, at most ctas persistent CTAs: the plan's, else the
-    tuning pin's or FUSED_PERSISTENT_CTAS; longest_first: it walks the sequences longest first, ranked by the
-    kernel): (o [T, Hv, V], final state or an empty tensor)."""
+    tuning pin's or FUSED_PERSISTENT_CTAS; longest_first: its order build, which walks the sequences longest first):
+    (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
     T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
                       problem.num_seqs)
     o = empty(problem.batch, problem.tokens, Hv, V, device=dev, dtype=q.dtype, output="o")
     ht = final_states(problem, state_io, output_final_state, dev, o)
-    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv}
+    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv, "order": int(longest_first)}
     launch(FUSED_KERNEL, variant, dev,
             {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
              "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
              "gate_mode": gate.mode, "max_ctas": settings.fused_ctas_max or ctas or FUSED_PERSISTENT_CTAS,
-             "longest_first": int(longest_first),
              "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
             {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
              "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),

@@ -39,9 +39,10 @@ def built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int, l2n
     """The V blocks built for a kernel's variant (l2norm: only the builds with that flag, gdn_fwd_fused's axis)."""
     key = ("bv", kernel, mode, tag, K, V, l2norm)
     if key not in _CACHE:
-        _CACHE[key] = [v["BV"] for v in loader.library().variants(kernel)
-                       if (v["dtype"], v["K"], v["V"]) == key[3:6] and v.get("mode") == mode
-                       and (l2norm is None or v.get("l2norm") == l2norm)]
+        blocks = [v["BV"] for v in loader.library().variants(kernel)
+                  if (v["dtype"], v["K"], v["V"]) == key[3:6] and v.get("mode") == mode
+                  and (l2norm is None or v.get("l2norm") == l2norm)]
+        _CACHE[key] = sorted(set(blocks), key=blocks.index)  # once each (gdn_fwd_fused's order axis repeats them)
     return _CACHE[key]
 
 

@@ -154,7 +154,7 @@ def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
 ])
 @pytest.mark.parametrize("bv", [64, 128])
 def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, hv, ctas, bv):
-    """Host lengths out of order: the fused kernel ranks the sequences and walks them longest first (longest_first),
+    """Host lengths out of order: the fused kernel's order build ranks the sequences and walks them longest first,
     and every output and final state is bit-identical to the batch's order (each item is made alone, so only which
     CTA makes it, and when, changes) and close to the fp64 reference."""
     from flash_qla import forward as fwd, reference
@@ -163,7 +163,7 @@ def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, h
     cu_cpu = x["cu_seqlens"].cpu()
     sizes = []
     launch = fwd.launch
-    monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (sizes.append(sz.get("longest_first")),
+    monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (sizes.append(variant.get("order")),
                                                                            launch(name, variant, dev, sz, *a)))
     with torch.no_grad(), override(use_fused=True, force_block_v=bv, force_segment_chunks=0, fused_ctas_max=ctas,
                                    replay=False):

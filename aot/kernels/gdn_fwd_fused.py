@@ -26,10 +26,10 @@ Persistent CTAs: at most max_ctas CTAs (a launch parameter), each walking the it
 cta, cta + ctas, ... one after the other through the same stages, so the producer and the aux warpgroup run ahead
 into the next item's chunks while the consumers finish one; the consumers start each item by asking L2 for the next
 item's initial state (cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and
-the state bytes stream while the chains compute. With longest_first (batches of up to ORDER_MAX sequences) the walk
-takes the sequences longest first, ranked in shared memory by every CTA, so the short ones fill in behind the long
-ones (a long sequence late in the batch otherwise starts late and sets the kernel's time). With one item a CTA it is
-the one-CTA-per-item kernel.
+the state bytes stream while the chains compute. Built with order = 1 (for batches of up to ORDER_MAX sequences
+whose lengths are out of order) the walk takes the sequences longest first, ranked in shared memory by every CTA, so
+the short ones fill in behind the long ones (a long sequence late in the batch otherwise starts late and sets the
+kernel's time). With one item a CTA it is the one-CTA-per-item kernel.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -44,7 +44,10 @@ C = 64
 # BV = 128 (two consumer warpgroups) took 4.5 us a chunk while the state copy lived in registers (the aux got 72 and
 # spilled); with it in shared memory 3.44 us (H200)
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
-VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1]}
+# order: 1 walks the sequences longest first (a build of its own: the ranking and the table look-ups in the plain
+# build cost 1-3% on one-item CTAs, H100 kernel_ab, whatever the batch's order)
+VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1],
+            "order": [0, 1]}
 VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
@@ -63,7 +66,7 @@ STATE_BARRIER = 10       # + consumer warpgroup: its bf16 state copy written to 
 # the host's default cap of the persistent grid: four per SM of a 132-SM card (one CTA fits an SM), so that a card
 # with fewer SMs (114, 78) still ends within one partial round of the balanced split (8% / 3% over its ideal)
 PERSISTENT_CTAS = 528
-ORDER_MAX = 128  # longest_first's largest batch (planner.FUSED_ORDER_MAX): N loads and N^2 / threads compares a CTA
+ORDER_MAX = 128  # the order build's largest batch (planner.FUSED_ORDER_MAX): N loads and N^2 / threads compares a CTA
 PREFETCH_NEXT_STATE = True  # the consumers ask L2 for the next item's initial state (False: A/B builds)
 # fqla_prefetch_l2: an initial state asked of L2 ahead of its load (16-byte aligned, a multiple of 16 bytes); the
 # accumulator helpers of fragment_io.py (O^T and P by stmatrix, W^T by ldmatrix)
@@ -75,28 +78,23 @@ __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) 
 
 
 @T.macro
-def seq_at(i, longest_first, order_s):
-    """The batch's sequence at position i of the CTAs' walk."""
-    return T.if_then_else(longest_first != 0, order_s[T.min(i, ORDER_MAX - 1)], i)
-
-
-@T.macro
-def order_by_length(cu_seqlens, N, tx, len_s, order_s):
+def order_by_length(cu_seqlens, N, tx, order_s):
     """order_s[:N] = the sequences longest first (ties in batch order), N <= ORDER_MAX: thread tx < N ranks
-    sequence tx against every length (len_s), then writes it at its rank. Two CTA barriers."""
+    sequence tx against every length (order_s[ORDER_MAX:]), then writes it at its rank. Two CTA barriers."""
     if tx < N:
-        len_s[tx] = cu_seqlens[tx + 1] - cu_seqlens[tx]
+        order_s[ORDER_MAX + tx] = cu_seqlens[tx + 1] - cu_seqlens[tx]
     T.sync_threads()
     if tx < N:
         rank = T.alloc_var("int32")
         rank = 0
         for j in T.serial(N):
-            rank += T.if_then_else(len_s[j] > len_s[tx] or (len_s[j] == len_s[tx] and j < tx), 1, 0)
+            rank += T.if_then_else(order_s[ORDER_MAX + j] > order_s[ORDER_MAX + tx] or
+                                   (order_s[ORDER_MAX + j] == order_s[ORDER_MAX + tx] and j < tx), 1, 0)
         order_s[rank] = tx
     T.sync_threads()
 
 
-def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
+def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
     dt = DTYPES[dtype]
     NC = BV // 64            # consumer warpgroups, 64 rows of S^T each
     NB = V // BV             # V blocks of a (sequence, v-head)
@@ -115,6 +113,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
     N = T.dynamic("N")
     H0R = T.dynamic("h0_rows")  # h0's rows: N, or the pool's slots (a slot past them reads as zero)
     HTR = T.dynamic("ht_rows")  # ht's rows: N, or the pool's slots (a slot past them is not written)
+
+    def seq_at(order_s, i):
+        """The batch's sequence at position i of the CTAs' walk."""
+        return order_s[T.min(i, ORDER_MAX - 1)] if order else i
 
     @T.prim_func
     def gdn_fwd_fused(
@@ -137,7 +139,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
         state_mode: T.int32,
         gate_mode: T.int32,
         max_ctas: T.int32,         # the persistent grid's size cap (the host's: PERSISTENT_CTAS or one per SM)
-        longest_first: T.int32,    # 1: the sequences longest first (the host's choice; N <= ORDER_MAX)
     ):
         with T.Kernel(T.min(N * Hv * NB, max_ctas), threads=THREADS, prelude=PRELUDE) as (cta,):
             q_s = T.alloc_shared((stages, C, K), dt)
@@ -169,12 +170,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             ready = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([128 * NC] * stages)
             # this CTA's items: cta, cta + ctas, ... in the order (sequence, v-head, V block), the V block fastest;
-            # with longest_first the sequences go longest first (order_s), so the short ones fill in behind the long
+            # the order build takes the sequences longest first (order_s), so the short ones fill in behind the long
             # ones instead of a long one starting last and setting the kernel's time
-            len_s = T.alloc_shared((ORDER_MAX,), "int32")
-            order_s = T.alloc_shared((ORDER_MAX,), "int32")
-            if longest_first != 0:
-                order_by_length(cu_seqlens, N, T.get_thread_binding(), len_s, order_s)
+            order_s = T.alloc_shared((2 * ORDER_MAX,), "int32") if order else None  # the order, then the lengths
+            if order:  # compile time
+                order_by_length(cu_seqlens, N, T.get_thread_binding(), order_s)
             ctas = T.min(N * Hv * NB, max_ctas)
             items = T.ceildiv(N * Hv * NB - cta, ctas)
             bos = T.alloc_var("int32")
@@ -190,7 +190,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
             chunks = T.alloc_var("int32")  # the CTA's chunks, over all its items
             chunks = 0
             for ii in T.serial(items):
-                n = seq_at((cta + ii * ctas) // (Hv * NB), longest_first, order_s)
+                n = seq_at(order_s, (cta + ii * ctas) // (Hv * NB))
                 chunks = chunks + T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
             tx = T.get_thread_binding()
             if tx >= PROD0:
@@ -201,11 +201,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     bv_ = T.alloc_local((2,), "float32")
                     up = T.alloc_local((1,), "float32")
                     last = T.alloc_local((1,), "float32")
-                    it = cta
+                    it = 0
                     cb = 0
-                    n = seq_at(it // (Hv * NB), longest_first, order_s)
-                    h = it // NB % Hv
-                    vb = it % NB
+                    n = seq_at(order_s, cta // (Hv * NB))
+                    h = cta // NB % Hv
+                    vb = cta % NB
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     hk = h // (Hv // Hq)
@@ -220,10 +220,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                         # the item that holds the CTA's chunk c (an item of no chunk is passed over)
                         while c - cb >= T.ceildiv(eos - bos, C):
                             cb = cb + T.ceildiv(eos - bos, C)
-                            it = it + ctas
-                            n = seq_at(it // (Hv * NB), longest_first, order_s)
-                            h = it // NB % Hv
-                            vb = it % NB
+                            it = it + 1
+                            n = seq_at(order_s, (cta + it * ctas) // (Hv * NB))
+                            h = (cta + it * ctas) // NB % Hv
+                            vb = (cta + it * ctas) % NB
                             bos = cu_seqlens[n]
                             eos = cu_seqlens[n + 1]
                             hk = h // (Hv // Hq)
@@ -362,7 +362,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                 cc = T.alloc_var("int32")    # the CTA's chunks done: stage and barrier phase
                 cc = 0
                 for ci in T.serial(items):
-                    n = seq_at((cta + ci * ctas) // (Hv * NB), longest_first, order_s)
+                    n = seq_at(order_s, (cta + ci * ctas) // (Hv * NB))
                     h = (cta + ci * ctas) // NB % Hv
                     vb = (cta + ci * ctas) % NB
                     bos = cu_seqlens[n]
@@ -370,17 +370,17 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0):
                     if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
                         # the next item's initial state into L2 while this one runs (its load then hits L2)
                         nxt = cta + (ci + 1) * ctas
-                        srow = seq_at(nxt // (Hv * NB), longest_first, order_s)  # here: the next item's row
-                        srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[srow], srow)
-                        if srow >= 0 and srow < H0R:
+                        nn = seq_at(order_s, nxt // (Hv * NB))
+                        prow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[nn], nn)
+                        if prow >= 0 and prow < H0R:
                             if NB == 1 or (state_mode & V_FIRST) != 0:  # its rows are one contiguous block
                                 if ct == 0:
                                     T.call_extern("handle", "fqla_prefetch_l2",
-                                                  T.address_of(h0[srow, nxt // NB % Hv, nxt % NB * BV * K]),
+                                                  T.address_of(h0[prow, nxt // NB % Hv, nxt % NB * BV * K]),
                                                   BV * K * 4)
                             elif ct < K:  # [K, V] with V blocks: K rows of BV floats
                                 T.call_extern("handle", "fqla_prefetch_l2",
-                                              T.address_of(h0[srow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
+                                              T.address_of(h0[prow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
                     srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
                     if use_h0 == 0 or srow < 0:
                         T.clear(st)
