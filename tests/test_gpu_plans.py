@@ -152,29 +152,35 @@ def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
     # 40 sequences (more than one warp's lanes), long ones late and between short ones; 7 CTAs walk ~90 items each
     ([40] * 30 + [700, 64, 1, 65, 300, 700, 2, 130, 64, 9], 8, 7),
 ])
-@pytest.mark.parametrize("bv", [64, 128])
-def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, hv, ctas, bv):
+@pytest.mark.parametrize("tag,K,V,bv,l2norm", [("bf16", 128, 128, 64, False), ("bf16", 128, 128, 128, False),
+                                               ("fp16", 64, 128, 64, True), ("bf16", 128, 64, 64, True)])
+def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, hv, ctas, tag, K, V, bv, l2norm):
     """Host lengths out of order: the fused kernel's order build ranks the sequences and walks them longest first,
     and every output and final state is bit-identical to the batch's order (each item is made alone, so only which
-    CTA makes it, and when, changes) and close to the fp64 reference."""
+    CTA makes it, and when, changes) and close to the fp64 reference (plain and l2norm builds, both dtypes)."""
     from flash_qla import forward as fwd, reference
-    from test_gpu_forward import TOL, fp64_reference
-    x = draw(lengths, 2, hv, 128, 128, torch.bfloat16, seed=12)
+    from test_gpu_forward import TOL
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    x = draw(lengths, 2, hv, K, V, dtype, seed=12)
+    if l2norm:  # unnormalised q / k, as the kernels' l2norm sees them
+        x["q"], x["k"] = (x["q"].float() * 3).to(dtype), (x["k"].float() * 0.5).to(dtype)
     cu_cpu = x["cu_seqlens"].cpu()
-    sizes = []
+    orders = []
     launch = fwd.launch
-    monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (sizes.append(variant.get("order")),
+    monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (orders.append(variant.get("order")),
                                                                            launch(name, variant, dev, sz, *a)))
     with torch.no_grad(), override(use_fused=True, force_block_v=bv, force_segment_chunks=0, fused_ctas_max=ctas,
                                    replay=False):
-        rotated = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu)
-        in_order = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
-    assert sizes == [1, 0], sizes
-    assert torch.isfinite(rotated[0]).all() and torch.isfinite(rotated[1]).all()
-    assert torch.equal(rotated[0], in_order[0]) and torch.equal(rotated[1], in_order[1])
-    o, ht = fp64_reference(x)
-    assert reference.relative_l2(rotated[0], o) <= TOL[torch.bfloat16]
-    assert reference.relative_l2(rotated[1], ht) <= TOL[torch.bfloat16]
+        ordered = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu,
+                                                   use_qk_l2norm_in_kernel=l2norm)
+        in_batch_order = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    assert orders == [1, 0], orders
+    assert torch.isfinite(ordered[0]).all() and torch.isfinite(ordered[1]).all()
+    assert torch.equal(ordered[0], in_batch_order[0]) and torch.equal(ordered[1], in_batch_order[1])
+    d = {n: (t.double() if t is not None else None) for n, t in x.items() if n != "cu_seqlens"}
+    o, ht = reference.chunked_gated_delta_rule(**d, output_final_state=True, cu_seqlens=cu_cpu,
+                                               use_qk_l2norm_in_kernel=l2norm)
+    assert reference.relative_l2(ordered[0], o) <= TOL[dtype] and reference.relative_l2(ordered[1], ht) <= TOL[dtype]
 
 
 def test_auto_cp_false_plans_no_intra_card_cp():
