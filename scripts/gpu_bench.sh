@@ -43,6 +43,20 @@ done
 case "$PASS" in fwd|bwd|both) ;; *) echo "gpu_bench.sh: --pass must be fwd, bwd or both" >&2; exit 2 ;; esac
 case "$RUNS" in ''|*[!0-9]*|0) echo "gpu_bench.sh: --runs must be a positive integer" >&2; exit 2 ;; esac
 
+# Files are appended to (a later call adds the other pass), so a pass already timed into them would leave two runs'
+# rows mixed in one file: refuse that, naming the file (a warm machine keeps an earlier call's OUT_DIR).
+case "$PASS" in both) TIMED="fwd bwd" ;; *) TIMED=$PASS ;; esac
+for name in ours $PEERS; do
+  [ "$name" = ours ] && [ "$RUN_OURS" = 0 ] && continue
+  for f in "$OUT/$name.jsonl" "$OUT"/run*/"$name.jsonl"; do
+    for p in $TIMED; do
+      if [ -s "$f" ] && grep -q "\"pass_\": \"$p\"" "$f"; then
+        echo "gpu_bench.sh: $f already holds $p rows: pick an empty OUT_DIR or remove them" >&2; exit 2
+      fi
+    done
+  done
+done
+
 mkdir -p "$OUT"
 LOG="$OUT/gpu_bench.log"
 export PYTHONUNBUFFERED=1

@@ -144,3 +144,17 @@ def test_cli_default_counts_are_recorded(tmp_path):
     for r in read_jsonl(out):
         assert r["eager_budget_ms"] == [10.0, 60.0]
         assert r["warmup"] >= 1 and r["iters"] >= 1
+
+
+@pytest.mark.skipif(not (ROOT / "scripts" / "gpu_bench.sh").exists(), reason="beside the installed wheel")
+def test_gpu_bench_refuses_to_mix_two_runs_of_a_pass(tmp_path):
+    """gpu_bench.sh appends to its folder's files (a later call adds the other pass): a pass whose rows a file already
+    holds is refused, naming the file, before anything runs."""
+    (tmp_path / "ours.jsonl").write_text(json.dumps({"lib": "flash_qla_aot", "pass_": "fwd"}) + "\n")
+    (tmp_path / "qla.jsonl").write_text(json.dumps({"lib": "qla", "pass_": "bwd"}) + "\n")
+    script = str(ROOT / "scripts" / "gpu_bench.sh")
+    for args, culprit in ((["--pass", "fwd", "--peers", "none"], "ours.jsonl already holds fwd rows"),
+                          (["--pass", "both", "--peers", "qla", "--no-ours"], "qla.jsonl already holds bwd rows")):
+        run = subprocess.run(["bash", script, str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and culprit in run.stderr, (run.returncode, run.stderr)
+    assert not (tmp_path / "gpu_bench.log").exists()  # refused before it started
