@@ -85,7 +85,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
       ``allow_neg_eigval``, which requires it).
     * g, beta and initial_state may be float16 / bfloat16 (converted to float32); the final state is float32.
     * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync: the forward
-      is planned from them, and the fused kernel starts at the longest sequence wherever it sits in the batch);
+      is planned from them, and the fused kernel walks up to 128 sequences out of order longest first);
       ``chunk_indices``: FLA's precomputed chunk table, checked and not needed (the kernels plan chunks on the
       device); ``chunk_size`` in (16, 32, 64): accepted, the results do not depend on it (the kernels use 64).
     * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp=False``: the forward takes no
