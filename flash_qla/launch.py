@@ -42,7 +42,7 @@ def built_blocks(kernel: str, mode: Optional[str], tag: str, K: int, V: int, l2n
         blocks = [v["BV"] for v in loader.library().variants(kernel)
                   if (v["dtype"], v["K"], v["V"]) == key[3:6] and v.get("mode") == mode
                   and (l2norm is None or v.get("l2norm") == l2norm)]
-        _CACHE[key] = sorted(set(blocks), key=blocks.index)  # once each (gdn_fwd_fused's order axis repeats them)
+        _CACHE[key] = list(dict.fromkeys(blocks))  # once each (gdn_fwd_fused's order axis repeats them)
     return _CACHE[key]
 
 

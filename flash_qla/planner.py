@@ -259,8 +259,9 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
 
 def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
     """A chain kernel's time, in the lengths' unit, when CTAs of unequal chains (length -> count) go longest first,
-    each to the SM that frees first: a shorter chain fills in behind the longer ones. (The forward's kernels take
-    the batch's order: with its longest sequence last, the fused kernel measured up to 1.33x this.)"""
+    each to the SM that frees first: a shorter chain fills in behind the longer ones. (The fused kernel's order build
+    walks host lengths out of order longest first; gdn_fwd_chain takes the batch's order, so a split plan of a batch
+    whose longest sequence comes late runs over this.)"""
     levels = {0: num_sms}  # SM finishing time -> SMs
     for length in sorted(lengths, reverse=True):
         left = lengths[length]

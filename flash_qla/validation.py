@@ -224,8 +224,9 @@ class HostLengths(NamedTuple):
 
 
 def host_lengths(cu_seqlens_cpu: torch.Tensor, tokens: int) -> Optional[HostLengths]:
-    """The longest sequence of a host cu_seqlens whose shape and dtype passed before (the API's fast lane), after
-    checking its values as check_cu_seqlens does; None for a single sequence (its length is the token count)."""
+    """The longest sequence of a host cu_seqlens whose shape and dtype passed before (the API's fast lane), and
+    whether the lengths are out of longest-first order, after checking its values as check_cu_seqlens does; None for
+    a single sequence (its length is the token count)."""
     cu = cu_seqlens_cpu.tolist()
     if cu[0] != 0 or cu[-1] != tokens or any(b < a for a, b in zip(cu, cu[1:])):
         check_cu_seqlens(cu_seqlens_cpu, 1, tokens)  # names the problem

@@ -156,6 +156,8 @@ def main() -> int:
     args = ap.parse_args()
     only = tuple(p for p in args.only.split(",") if p)
     if args.batch_order:
+        if not args.host_lengths:
+            raise SystemExit("plan_sweep: --batch-order is the A/B of --host-lengths' order: pass both")
         planner.FUSED_ORDER_MAX = 0
     if bool(only) != bool(args.merge):
         raise SystemExit("plan_sweep: --only and --merge go together")
