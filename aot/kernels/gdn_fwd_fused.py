@@ -25,11 +25,12 @@ state_idx (state_mode, aot/kernels/state_io.py).
 Persistent CTAs: at most max_ctas CTAs (a launch parameter), each walking the items (sequence, v-head, V block)
 cta, cta + ctas, ... one after the other through the same stages, so the producer and the aux warpgroup run ahead
 into the next item's chunks while the consumers finish one; the consumers start each item by asking L2 for the next
-item's initial state (cp.async.bulk.prefetch), so on batches of short sequences an item's state load is an L2 hit and
-the state bytes stream while the chains compute. Built with order = 1 (for batches of up to ORDER_MAX sequences
-whose lengths are out of order) the walk takes the sequences longest first, ranked in shared memory by every CTA, so
-the short ones fill in behind the long ones (a long sequence late in the batch otherwise starts late and sets the
-kernel's time). With one item a CTA it is the one-CTA-per-item kernel.
+item's initial state (cp.async.bulk.prefetch; not for a K-first state of one V block, which loads faster without), so
+on batches of short sequences an item's state load is an L2 hit and the state bytes stream while the chains compute.
+Built with order = 1 (for batches of up to ORDER_MAX sequences whose lengths are out of order) the walk takes the
+sequences longest first, ranked in shared memory by every CTA, so the short ones fill in behind the long ones (a long
+sequence late in the batch otherwise starts late and sets the kernel's time). With one item a CTA it is the
+one-CTA-per-item kernel.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -368,17 +369,20 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     bos = cu_seqlens[n]
                     eos = cu_seqlens[n + 1]
                     if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
-                        # the next item's initial state into L2 while this one runs (its load then hits L2)
+                        # the next item's initial state into L2 while this one runs (its load then hits L2). Not for
+                        # a K-first state that is one 64 x 64 or 128 x 128 block (one V block): there about a third of
+                        # the prefetched bytes were read from DRAM twice and the short batches ran 7-10% slower with
+                        # it (H100); K-first V blocks (K rows of BV floats) and V-first states ran 2-19% slower without
                         nxt = cta + (ci + 1) * ctas
                         nn = seq_at(order_s, nxt // (Hv * NB))
                         prow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[nn], nn)
                         if prow >= 0 and prow < H0R:
-                            if NB == 1 or (state_mode & V_FIRST) != 0:  # its rows are one contiguous block
+                            if (state_mode & V_FIRST) != 0:  # its rows are one contiguous block
                                 if ct == 0:
                                     T.call_extern("handle", "fqla_prefetch_l2",
                                                   T.address_of(h0[prow, nxt // NB % Hv, nxt % NB * BV * K]),
                                                   BV * K * 4)
-                            elif ct < K:  # [K, V] with V blocks: K rows of BV floats
+                            elif NB > 1 and ct < K:  # [K, V] with V blocks: K rows of BV floats
                                 T.call_extern("handle", "fqla_prefetch_l2",
                                               T.address_of(h0[prow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
                     srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
