@@ -163,7 +163,8 @@ def host_cost_section(card: Card) -> List[str]:
 NCU_COLUMNS = [("kernel", "kernel"), ("row", "row"), ("build", "build"), ("duration_us", "us"),
                ("dram_pct", "DRAM %"), ("sm_pct", "SM %"), ("l1tex_pct", "L1/TEX %"),
                ("issue_per_scheduler", "issued / scheduler"), ("no_eligible_pct", "no eligible %"),
-               ("occupancy_pct", "occupancy %"), ("l2_input_sectors", "L2 sectors in")]
+               ("occupancy_pct", "occupancy %"), ("l2_input_sectors", "L2 sectors in"), ("l2_hit_pct", "L2 hit %"),
+               ("dram_read_mb", "DRAM MB read")]
 
 
 def ncu_section(card: Card) -> List[str]:

@@ -9,7 +9,8 @@ usage: python scripts/ncu_summary.py OUT.jsonl REPORT.txt=ROW=BUILD [...] [--car
   ROW: the benchmark row profiled; BUILD: which build ran (e.g. before / after a change).
 One line per report: {kernel, row, build, card, commit, duration_us, dram_pct, sm_pct, l1tex_pct, issue_per_scheduler,
 no_eligible_pct, warp_cycles_per_issue, occupancy_pct, l1_hit_pct, l2_hit_pct, l2_input_sectors}; a metric the
-report lacks is null.
+report lacks is null. Rows from an `ncu --metrics dram__bytes_read.sum,...` run instead of a details page carry
+dram_read_mb (BENCHMARKS.md shows it) and dram_write_mb, their DRAM % from those bytes over the duration.
 """
 from __future__ import annotations
 
