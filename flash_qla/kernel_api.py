@@ -326,7 +326,8 @@ def _plan_key(plan: ForwardPlan) -> tuple:
 
 
 def host_lengths_of(problem: Problem, cu_seqlens_cpu) -> Optional[HostLengths]:
-    """The longest sequence from cu_seqlens' host copy (None: not given, or a single sequence)."""
+    """The longest sequence and whether the lengths are out of longest-first order, from cu_seqlens' host copy (None:
+    not given, or a single sequence)."""
     return None if cu_seqlens_cpu is None else host_lengths(cu_seqlens_cpu, problem.batch * problem.tokens)
 
 

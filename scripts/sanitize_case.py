@@ -141,15 +141,15 @@ o_n, ht_n = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 grads_n = torch.autograd.grad([o_n, ht_n], [q, k], [torch.randn_like(o_n), torch.randn_like(ht_n)])
 # the fused forward pinned (gdn_fwd_fused: producer / aux / consumer warpgroups on mbarrier stages), plain and l2norm
-# at BV = 64, plain at BV = 128 (two consumer warpgroups, the bf16 state in shared memory, first_longest)
+# at BV = 64, plain at BV = 128 (two consumer warpgroups, the bf16 state in shared memory, the order build)
 with torch.no_grad(), tuning.override(use_fused=True):
     tuning.settings.force_block_v = 64
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                  initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
     o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
                                                beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    # with the lengths on the host the kernel starts at the longest sequence (the last here), 5 CTAs walking the
-    # rotated order
+    # with the lengths on the host (out of order: the longest is last here) the order build ranks them and 5 CTAs
+    # walk the sequences longest first
     tuning.settings.force_block_v = 128
     tuning.settings.fused_ctas_max = 5
     o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
