@@ -45,13 +45,17 @@ FALLBACK_SHARE = 0.5  # assumed share of (segment, head) pairs whose decay does 
 COMBINE_COST = 1.5    # one serial combine step with a fallback head, in forward-chunk times (H200, torch.profiler:
                       # 16 steps 0.059 ms, ~3.7 us a step against a ~2.5 us forward chunk)
 LAUNCH_COST = 20.0    # CP's fixed GPU cost, in forward-chunk times: gdn_cp_plan and four more launches (~0.05 ms)
-# The backward's segments run two chain kernels, gdn_bwd_recompute's save build and gdn_bwd_dh, two pre-passes (the recompute's
-# warm-ups / transitions and the dh chain's reverse ones) and two serial combines. The save build's CTAs (78 KB)
+# The backward's segments run two chain kernels, gdn_bwd_recompute's save build and gdn_bwd_dh, two pre-passes (the
+# recompute's warm-ups / transitions and the dh chain's reverse ones) and two serial combines, the dh chain's pre-pass
+# and combine on a stream of their own beside the recompute's (flash_qla/backward.py): the two pre-passes' chains share
+# the waves and the two combines' serial steps overlap, so one combine's steps count. The save build's CTAs (78 KB)
 # pair up on an SM, the dh chain's do not: paired_share of the chain time counts waves of two CTAs per SM. Fitted on
 # the H200 with the save chain beside the dh chain (a sweep of 21 shapes, hv 8-64, 8k-128k tokens, one to eight
 # sequences): the chosen L is within 0.7% of the best swept one on each. Counting one pre-pass (a fit with the chains
-# in order) kept CP on hv32 single sequences, 7-13% slower than without. CP is taken whenever predicted faster.
-BACKWARD_PLAN = {"combines": 2, "paired_share": 0.4, "pre_passes": 2}
+# in order) kept CP on hv32 single sequences, 7-13% slower than without. Counting both combines and each pre-pass's
+# waves apart left short single sequences at few heads without CP (H100, scripts/plan_sweep.py --pass bwd: 4096
+# tokens at 4 / 8 v-heads 1.55x / 1.25x the best plan). CP is taken whenever predicted faster.
+BACKWARD_PLAN = {"combines": 1, "paired_share": 0.4, "pre_passes": 2}
 
 
 def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k: int, head_dim_v: int,
@@ -64,9 +68,10 @@ def plan_segment_chunks(tokens: int, num_seqs: int, num_v_heads: int, head_dim_k
     FALLBACK_SHARE of them assumed, the warm-ups of the others being a few chunks; the serial combine; the extra
     launches). Device time alone: a replayed plan's host work is the same few microseconds with or without CP.
     chain_costs: the per-chunk cost by V block of the chain kernel that runs the segments (STAGED_CHAIN_COST for the
-    recompute). CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment;
-    paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM); pre_passes: pre-pass
-    builds per segment (BACKWARD_PLAN). Memoised: every backward asks."""
+    recompute). CP is taken when its predicted time is below the plain chain's. combines: serial combines per segment
+    on the critical path; paired_share: the share of the chain time whose CTAs pair up on an SM (waves of two per SM);
+    pre_passes: pre-pass builds per segment, side by side (their chains share the waves; BACKWARD_PLAN). Memoised:
+    every backward asks."""
     if settings.force_segment_chunks is not None:
         return settings.force_segment_chunks or None
     costs = (tuple(SEGMENT_CHUNKS), PRE_PASS_COST, FALLBACK_SHARE, COMBINE_COST, LAUNCH_COST,
@@ -98,7 +103,7 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
         segments = num_seqs * per_seq_segments
         main = chains_time(segments * num_v_heads, L)
         pre_chains = segments * num_v_heads * (head_dim_v + head_dim_k) // 64 * fallback_share
-        pre = pre_passes * max(1, math.ceil(pre_chains / num_sms)) * L * pre_pass_cost
+        pre = max(1, math.ceil(pre_passes * pre_chains / num_sms)) * L * pre_pass_cost
         device = main + pre + per_seq_segments * combines * combine_cost + launch_cost
         if device < best:
             best, best_l = device, L

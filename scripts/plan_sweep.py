@@ -1,4 +1,4 @@
-"""The forward planner against every plan it could have chosen: CUDA-graph time of each candidate on a grid of shapes.
+"""The planner against every plan it could have chosen: CUDA-graph time of each candidate on a grid of shapes.
 
 For each shape of a set (grid: v-heads 4 to 128 with GVA ratios 2 and 4, K = V = 128, bf16, one long sequence,
 equal batches, unequal mixes and many short sequences; holdout: other head counts and lengths; standard: the
@@ -7,15 +7,22 @@ benchmark matrix's forward rows; mixes: unequal lengths outside the fit), the fo
   split  gdn_prepare + gdn_fwd_chain at V block 64 / 128, each gdn_prepare heads-per-CTA the GVA ratio allows (no CP)
   cp     intra-card CP at each segment length the shape admits (the planner's V block and heads per CTA)
 and under the planner's own choice ("planned"). A row reports the best candidate and planned / best.
+--pass bwd sweeps the backward's plans instead (the low-level backward the benchmark times, after its forward):
+  bwd    the recompute and dh chains at V block 32 / 64 (force_block_v), each without CP and at each segment length
+         the shape admits
+on its own grid (BWD_HEADS x BWD_LENGTHS), held-out shapes (BWD_HOLDOUT) or the benchmark matrix's backward rows
+(standard).
 
 usage (GPU machine, repository root):
   python scripts/plan_sweep.py --out bench/results/h100/plan_sweep.jsonl [--sets grid,holdout,standard] [--l2norm]
+                               [--pass bwd]
                                [--shapes SUBSTRING] [--tolerance 0.03] [--only PREFIX[,PREFIX] --merge OLD.jsonl]
 --only times just the candidates whose names start with a prefix (e.g. fused, after a change to gdn_fwd_fused alone)
 and --merge takes every other candidate's time from OLD's row of the same set, shape and l2norm: a refresh of the
 plans whose kernels changed, in a fraction of the sweep's time (the planner's choice is timed again either way).
-Writes one JSON line per shape: {"set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm",
-"planned_ms", "best", "best_ms", "ratio", "candidates": {name: ms}}; exits 1 when a shape's planned time is more than --tolerance above its best.
+Writes one JSON line per shape: {"pass_", "set", "shape", "hq", "hv", "tokens", "seqs", "equal_lengths", "l2norm",
+"planned_ms", "best", "best_ms", "ratio", "candidates": {name: ms}}; exits 1 when a shape's planned time is more than
+--tolerance above its best.
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ from flash_qla import cp, planner, plans
 from flash_qla.bench.inputs import draw_inputs
 from flash_qla.bench.matrix import BenchRow, iter_rows, load_matrix
 from flash_qla.bench.timing import graph_median_ms
-from flash_qla.launch import CHAIN_KERNEL, FUSED_KERNEL, built_blocks
+from flash_qla.bench.workloads import backward_call, forward_for_backward
+from flash_qla.launch import CHAIN_KERNEL, FUSED_KERNEL, RECOMPUTE_KERNEL, built_blocks
 from flash_qla.planner import PREPARE_MAX_HEADS
 from flash_qla.tuning import override
 
@@ -69,12 +77,30 @@ def unequal_mixes() -> list:
 
 
 SETS = ("grid", "holdout", "standard", "mixes")
+# the backward's grid: v-heads 4 to 128, one long sequence, equal batches, unequal mixes, many short sequences
+BWD_HEADS = [(2, 4), (2, 8), (4, 16), (8, 32), (16, 32), (16, 64), (32, 128)]
+BWD_LENGTHS = [("1x4096", (4096,)), ("1x32768", (32768,)), ("8x2048", (2048,) * 8), ("14336+2048", (14336, 2048)),
+               ("mixed8", (3000, 256, 6000, 1024, 256, 3000, 1024, 6000)), ("64x256", (256,) * 64)]
+# the backward's held-out shapes: other head counts, lengths and sequence counts near the CP model's choices' edges
+BWD_HOLDOUT = [(1, 4, "2x4096", (4096,) * 2), (1, 4, "4x16384", (16384,) * 4), (1, 4, "2x65536", (65536,) * 2),
+               (2, 8, "1x2048", (2048,)), (2, 8, "2x16384", (16384,) * 2), (2, 8, "1x65536", (65536,)),
+               (4, 16, "1x16384", (16384,)), (4, 16, "1x8192", (8192,)), (6, 24, "1x4096", (4096,)),
+               (8, 32, "1x8192", (8192,)), (5, 20, "3x6000", (6000,) * 3), (3, 12, "1x12000", (12000,))]
 
 
-def shapes(which: str):
-    """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's forward rows),
-    mixes (unequal lengths outside the fit)."""
-    if which == "grid":
+def shapes(which: str, pass_: str = "fwd"):
+    """(name, hq, hv, lengths) of a set: grid (the fit's), holdout, standard (the benchmark matrix's rows of the
+    pass), mixes (unequal lengths outside the fit); with pass_ bwd, grid is the backward's (BWD_HEADS x BWD_LENGTHS)."""
+    if pass_ == "bwd" and which == "grid":
+        for hq, hv in BWD_HEADS:
+            for label, lens in BWD_LENGTHS:
+                yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
+    elif pass_ == "bwd" and which == "holdout":
+        for hq, hv, label, lens in BWD_HOLDOUT:
+            yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
+    elif pass_ == "bwd" and which != "standard":
+        raise ValueError(f"the backward sweeps the grid, holdout and standard sets, not {which!r}")
+    elif which == "grid":
         for hq, hv in HEADS:
             for label, lens in length_mixes():
                 yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
@@ -87,7 +113,7 @@ def shapes(which: str):
             for label, lens in unequal_mixes():
                 yield f"hq{hq}_hv{hv}|{label}", hq, hv, label, lens
     elif which == "standard":
-        for row in iter_rows(load_matrix(), ("fwd",), ""):
+        for row in iter_rows(load_matrix(), (pass_,), ""):
             yield f"{row.model}|{row.label}", row.hq, row.hv, row.label, row.seqlens
     else:
         raise ValueError(f"unknown shape set {which!r}: one of {', '.join(SETS)}")
@@ -105,6 +131,19 @@ def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
     for L in cp.SEGMENT_CHUNKS:
         if 2 * L <= longest_chunks:  # a sequence of at least two segments
             out[f"cp_L{L}"] = dict(force_segment_chunks=L)
+    return out
+
+
+def bwd_candidates(seqlens) -> dict:
+    """The backward's plans: the chains' V block (the recompute's and gdn_bwd_dh's, both built at 32 and 64) without
+    CP and at each segment length that gives the longest sequence two segments."""
+    out = {}
+    longest_chunks = -(-max(seqlens) // 64)
+    for bv in built_blocks(RECOMPUTE_KERNEL, "save", "bf16", 128, 128):
+        out[f"bwd_bv{bv}"] = dict(force_block_v=bv, force_segment_chunks=0)
+        for L in cp.SEGMENT_CHUNKS:
+            if 2 * L <= longest_chunks:
+                out[f"bwd_bv{bv}_cp_L{L}"] = dict(force_block_v=bv, force_segment_chunks=L)
     return out
 
 
@@ -139,6 +178,15 @@ def time_plan(x, pins: dict, device, l2norm: bool, cu_cpu=None) -> float:
     return ms
 
 
+def time_bwd_plan(call, pins: dict, device) -> float:
+    """A backward plan's CUDA-graph median (call: the benchmark's low-level backward on one shape's inputs)."""
+    with override(**pins):
+        ms, why = graph_median_ms(call, device, replays=5, rounds=3)
+    if ms is None:
+        raise RuntimeError(why)
+    return ms
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -146,6 +194,9 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.03)
     ap.add_argument("--sets", default="grid", help=f"comma-separated shape sets: {', '.join(SETS)}")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
+    ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd",
+                    help="bwd: the backward's plans (grid, holdout and standard sets; no --l2norm, --host-lengths, "
+                         "--merge)")
     ap.add_argument("--host-lengths", action="store_true",
                     help="pass cu_seqlens_cpu: the planner plans from the lengths and the fused kernel walks lengths "
                          "out of order longest first")
@@ -159,6 +210,8 @@ def main() -> int:
         if not args.host_lengths:
             raise SystemExit("plan_sweep: --batch-order is the A/B of --host-lengths' order: pass both")
         planner.FUSED_ORDER_MAX = 0
+    if args.pass_ == "bwd" and (args.l2norm or args.host_lengths or args.merge):
+        raise SystemExit("plan_sweep: --pass bwd sweeps plain calls: no --l2norm, --host-lengths or --merge")
     if bool(only) != bool(args.merge):
         raise SystemExit("plan_sweep: --only and --merge go together")
     old_rows = {}
@@ -169,20 +222,27 @@ def main() -> int:
     worst = 1.0
     with open(args.out, "w") as f:
         for which in args.sets.split(","):
-            for name, hq, hv, label, lens in shapes(which):
+            for name, hq, hv, label, lens in shapes(which, args.pass_):
                 if args.shapes and args.shapes not in name:
                     continue
-                x = draw_inputs(BenchRow("fwd", name, hq, hv, label, tuple(lens), 128), "cuda")
-                cands = candidates(hq, hv, lens, args.l2norm)
-                cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
-                timed = {c: time_plan(x, pins, device, args.l2norm, cu_cpu)
-                         for c, pins in cands.items() if c.startswith(only or "")}
-                times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only, cands)
-                planned = time_plan(x, {}, device, args.l2norm, cu_cpu)
+                x = draw_inputs(BenchRow(args.pass_, name, hq, hv, label, tuple(lens), 128), "cuda")
+                if args.pass_ == "bwd":
+                    call = backward_call(x, *forward_for_backward(x, "kernels"), "kernels")
+                    cands = bwd_candidates(lens)
+                    times = {c: time_bwd_plan(call, pins, device) for c, pins in cands.items()
+                             if c.startswith(only or "")}
+                    planned = time_bwd_plan(call, {}, device)
+                else:
+                    cands = candidates(hq, hv, lens, args.l2norm)
+                    cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
+                    timed = {c: time_plan(x, pins, device, args.l2norm, cu_cpu)
+                             for c, pins in cands.items() if c.startswith(only or "")}
+                    times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only, cands)
+                    planned = time_plan(x, {}, device, args.l2norm, cu_cpu)
                 best = min(times, key=times.get)
                 ratio = planned / min(times[best], planned)
                 worst = max(worst, ratio)
-                rec = dict(set=which, shape=name, hq=hq, hv=hv, tokens=sum(lens), seqs=len(lens),
+                rec = dict(pass_=args.pass_, set=which, shape=name, hq=hq, hv=hv, tokens=sum(lens), seqs=len(lens),
                            equal_lengths=len(set(lens)) == 1, l2norm=args.l2norm, host_lengths=args.host_lengths,
                            batch_order=args.batch_order,
                            planned_ms=round(planned, 4), best=best, best_ms=round(times[best], 4),

@@ -26,6 +26,11 @@ from gdn_inputs import hard_inputs, random_cu_seqlens
     (8192, 1, 8, 16),         # hk4_hv8 8k_1seq: 0.32 ms vs 0.47
     (65536, 2, 8, 64),        # two sequences
     (32768, 8, 32, None),     # eight sequences fill the GPU
+    # H100 (bench/results/h100/plan_sweep_bwd.jsonl): short sequences at few heads, where the two pre-passes and
+    # combines run side by side
+    (4096, 1, 4, 8),          # 0.131 ms at L = 8 against 0.206 without CP
+    (4096, 1, 8, 8),          # 0.199 at L = 8 (0.185 at 16) against 0.231
+    (8192, 2, 4, 8),          # 0.191 at L = 8 (0.186 at 16) against 0.227
 ])
 def test_backward_planner(tokens, n, hv, want):
     """The backward's recompute plans its segments with both chains' costs (flash_qla/forward.py _recompute_segment_chunks)."""
@@ -33,6 +38,31 @@ def test_backward_planner(tokens, n, hv, want):
     L = cp.plan_segment_chunks(tokens, n, hv, 128, 128, 132, (32, 64), chain_costs=STAGED_CHAIN_COST,
                                **cp.BACKWARD_PLAN)
     assert L == want
+
+
+def test_backward_segments_against_the_committed_sweep():
+    """Every equal-length shape of the committed H100 backward sweep (every plan timed, scripts/plan_sweep.py --pass
+    bwd): the segment length planned here, at the faster of the chains' V blocks measured with it, is within 3% of the
+    measured best on at least 90% of them and never 1.1x."""
+    import json
+    import math
+
+    from flash_qla.planner import STAGED_CHAIN_COST
+    from conftest import repo_text
+    ratios = []
+    for line in repo_text("bench", "results", "h100", "plan_sweep_bwd.jsonl").splitlines():
+        row = json.loads(line)
+        if not row["equal_lengths"]:  # the backward plans from token and sequence counts: lengths taken equal
+            continue
+        L = cp.plan_segment_chunks(row["tokens"], row["seqs"], row["hv"], 128, 128, 132, (32, 64),
+                                   chain_costs=STAGED_CHAIN_COST, **cp.BACKWARD_PLAN)
+        at_l = [t for name, t in row["candidates"].items() if name.endswith(f"_cp_L{L}" if L else "")
+                and (L or "_cp_" not in name)]
+        ratios.append((min(at_l) / min(row["candidates"].values()), row["shape"]))
+    assert len(ratios) >= 40
+    close = sum(r <= 1.03 for r, _ in ratios) / len(ratios)
+    mean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+    assert close >= 0.9 and max(ratios)[0] < 1.1, (close, mean, sorted(ratios)[-4:])
 
 
 def _tables(lengths, L):
