@@ -85,7 +85,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
       ``allow_neg_eigval``, which requires it).
     * g, beta and initial_state may be float16 / bfloat16 (converted to float32); the final state is float32.
     * ``cu_seqlens_cpu``: the host copy of cu_seqlens (its lengths are then known with no device sync: the forward
-      is planned from them, and the fused kernel walks up to 128 sequences out of order longest first);
+      is planned from them, the fused kernel walks up to 128 sequences out of order longest first, and under
+      autograd the backward's chains plan from the longest sequence);
       ``chunk_indices``: FLA's precomputed chunk table, checked and not needed (the kernels plan chunks on the
       device); ``chunk_size`` in (16, 32, 64): accepted, the results do not depend on it (the kernels use 64).
     * ``head_first=True``: an error (FLA and FlashQLA removed it). ``auto_cp=False``: the forward takes no
@@ -120,7 +121,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         fast = _FAST.get(signature)
         if fast is not None and not torch.compiler.is_compiling():
             if cu_seqlens_cpu is not None:  # its values change from call to call: checked, and they pick the plan
-                fast = fast.for_lengths(host_lengths(cu_seqlens_cpu, q.shape[1]))
+                lengths = host_lengths(cu_seqlens_cpu, q.shape[1])
+                return fast.for_lengths(lengths)(q, k, v, g, beta, initial_state, cu_seqlens, lengths=lengths)
             return fast(q, k, v, g, beta, initial_state, cu_seqlens)
     check_keywords(head_first=head_first, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -384,15 +386,20 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, initial_state=None,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto"):
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend="auto", cu_seqlens_cpu=None):
     """Backward only, FlashQLA's low-level signature.
 
     ``g`` is the chunk-local cumsum returned by :func:`chunk_gated_delta_rule_fwd` and ``A`` its gate-free
     inverse, which the kernels read instead of solving it again (None: solved; the reference recomputes it).
+    ``cu_seqlens_cpu`` (optional): cu_seqlens' host copy, whose lengths then plan the backward's chains.
     Returns ``(dq, dk, dv, dbeta, dg, dh0)`` with dg taken with respect to the raw g and dh0 None when there is no
     initial state.
     """
     problem = validate_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens")
+        check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, problem.batch, problem.tokens)
     if tuple(do.shape) != tuple(v.shape):
         raise ValueError(f"do must have v's shape {tuple(v.shape)} [B, T, Hv, V], got {tuple(do.shape)}")
     expected_state = (problem.num_seqs, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v)
@@ -402,9 +409,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
         _check_gate_free_inverse(A, q, problem)
     if select_backend(q.device, backend) == "kernels":
         return _kernel_ops().chunk_gated_delta_rule_bwd(problem, q, k, v, g, beta, A, do, dht, initial_state,
-                                                        cu_seqlens, use_qk_l2norm_in_kernel)
-    return _reference_bwd(problem, q, k, v, g, beta, do, dht, initial_state, _host(cu_seqlens),
-                          use_qk_l2norm_in_kernel)
+                                                        cu_seqlens, use_qk_l2norm_in_kernel,
+                                                        **kernel_extras(_kernel_ops().chunk_gated_delta_rule_bwd,
+                                                                        cu_seqlens_cpu=cu_seqlens_cpu))
+    return _reference_bwd(problem, q, k, v, g, beta, do, dht, initial_state,
+                          cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens), use_qk_l2norm_in_kernel)
 
 
 def _check_gate_free_inverse(A, q, problem) -> None:

@@ -45,7 +45,8 @@ GATE_TICKET_STEPS = 64
 
 def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.Tensor], cu_seqlens,
              use_qk_l2norm: bool, do: torch.Tensor, dht: Optional[torch.Tensor], A: Optional[torch.Tensor] = None,
-             g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE, before_dht=None):
+             g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE, before_dht=None,
+             longest: Optional[int] = None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of the forward's (o, final state) given (do, dht), in the kernels'
     dtypes (dg and dbeta float32; flash_qla/kernel_api.py converts). dg is with respect to the raw g; dh0 is None without an
     initial state, and a forward.SegmentStates when the recompute ran intra-card CP. A: the forward's gate-free inverse
@@ -57,9 +58,10 @@ def backward(problem: Problem, q, k, v, g, beta, initial_state: Optional[torch.T
     before_dht (context parallelism across ranks, flash_qla/distributed.py): called once, right before the first
     launch that reads dht (the dh chain's reverse combine, or the chain), with every earlier launch queued: dht (a
     float32 contiguous tensor, read in place) may be written in between by work it queues on another stream, the
-    current stream waiting for it."""
+    current stream waiting for it. longest: the longest sequence's tokens when the host knows the lengths: both chains'
+    V block is then planned for the batch's own skew (forward._block_v), not an assumed one."""
     dt = q.dtype
-    saved: dict = {}
+    saved: dict = {"longest": longest}
     if gate.mode:  # gdn_gate_bwd's shape; its ticket build counts on words the recompute's gdn_plan zeroes
         shape = gate_backward_shape(problem.batch * problem.tokens, problem.num_v_heads)
         saved["gate_shape"] = shape
@@ -168,13 +170,21 @@ def _reverse_recurrence(problem: Problem, saved: dict, do_p, dht_c, want_dh0: bo
            if want_dh0 else None)
     if dh0 is not None:
         pointers.update(dh0=dh0.data_ptr())
-    bv = fwd._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains)
+    bv = fwd._block_v(problem, tag, dev, kernel=DH_KERNEL, mode="chain", chains_per_head=chains,
+                      longest=saved.get("longest"))
     if before_dht is not None:
         before_dht()
     launch(DH_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "chain"}, dev, sizes, pointers)
     if seg is not None and dh0 is not None:  # a sequence's dh0 is its first segment's; an empty one passes dht
         dh0 = fwd.SegmentStates(dh0, seg.base[:N], seg.last, dht_c, seg.count)
     return dv, x, dhs, dh0
+
+
+def chain_blocks(problem: Problem, tag: str, device: torch.device, longest: Optional[int]) -> tuple:
+    """The V blocks of the backward's two chains (the recompute's save build, gdn_bwd_dh) without intra-card CP, for a
+    batch whose longest sequence has ``longest`` tokens (None: unknown lengths)."""
+    return (fwd._block_v(problem, tag, device, kernel=fwd.RECOMPUTE_KERNEL, mode="save", longest=longest),
+            fwd._block_v(problem, tag, device, kernel=DH_KERNEL, mode="chain", longest=longest))
 
 
 def native_v_first(problem: Problem, dtype: torch.dtype, device: torch.device) -> bool:

@@ -22,8 +22,8 @@ from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
                      current_stream, dense, empty, join, launch, num_sms, packed, side_stream)
-from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, plan_block_v,
-                      plan_forward, plan_heads_per_cta, plan_irregular_block_v)
+from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, chain_skew,
+                      plan_block_v, plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 from .states import PLAIN_IO, StateIO
 from .tuning import settings
 from .validation import Problem
@@ -35,17 +35,19 @@ IRREGULAR_CHAIN_KERNELS = {"gdn_bwd_dh", RECOMPUTE_KERNEL}
 
 
 def _block_v(problem: Problem, tag: str, device: torch.device, kernel: str = CHAIN_KERNEL, mode: Optional[str] = "out",
-             chains_per_head: Optional[int] = None) -> int:
+             chains_per_head: Optional[int] = None, longest: Optional[int] = None) -> int:
     """The V block of a chain kernel (gdn_fwd_chain, gdn_bwd_recompute's save build, gdn_bwd_dh): planned from the built
     blocks, that kernel's chain costs and the SM count, for chains_per_head (sequence or CP segment) chains per
-    v-head."""
+    v-head. longest: the longest sequence's tokens, when the host knows the lengths (the backward's chains of a batch
+    then plan for its own skew)."""
     built = built_blocks(kernel, mode, tag, problem.head_dim_k, problem.head_dim_v)
     if settings.force_block_v is not None and settings.force_block_v in built:
         return settings.force_block_v
     if chains_per_head is None and problem.num_seqs > 1 and kernel in IRREGULAR_CHAIN_KERNELS:
-        return plan_irregular_block_v(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
-                                      problem.head_dim_v, tuple(built), num_sms(device),
-                                      tuple(sorted(_chain_costs(kernel).items())))
+        tokens = problem.batch * problem.tokens
+        return plan_irregular_block_v(tokens, problem.num_seqs, problem.num_v_heads, problem.head_dim_v, tuple(built),
+                                      num_sms(device), tuple(sorted(_chain_costs(kernel).items())),
+                                      chain_skew(tokens, problem.num_seqs, longest))
     seqs = problem.num_seqs if chains_per_head is None else chains_per_head
     return plan_block_v(seqs, problem.num_v_heads, problem.head_dim_v, built, num_sms(device), _chain_costs(kernel))
 
@@ -128,7 +130,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     Only where native_state_io() says so (no intra-card CP); the recompute (``saved``) reads a V-first h0 likewise.
 
     With ``saved`` (a dict, the backward's recompute pass) the save build of gdn_bwd_recompute runs and
-    the dict receives every intermediate the backward reads: the packed q, k, beta, then agb, p, A, eg_t,
+    the dict receives every intermediate the backward reads (saved["longest"], when the caller sets it: the host-known
+    longest sequence, which plans the save build's V block): the packed q, k, beta, then agb, p, A, eg_t,
     et_t, gam_t, hs, w, vnew and the launch context (cu, offsets, sizes, TC, tag). With ``save_stream`` the save
     build runs there, forked after gdn_prepare (and CP's pre-pass): the caller joins it before reading hs, W, Vnew.
     With ``gate_free_inverse`` (the forward's A, [B, T, Hv, 64] in q's dtype) gdn_prepare reads it instead of solving;
@@ -270,7 +273,8 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
             pointers.update(cu_seqlens=seg.cu.data_ptr(), chunk_offsets=seg.slot.data_ptr(), h0=h_in.data_ptr())
             chain_sizes = dict(sizes, N=seg.count, use_h0=1, store_ht=0, ordered=0, state_mode=0)
             chains = seg.count
-        bv = _block_v(problem, tag, dev, kernel=RECOMPUTE_KERNEL, mode="save", chains_per_head=chains)
+        bv = _block_v(problem, tag, dev, kernel=RECOMPUTE_KERNEL, mode="save", chains_per_head=chains,
+                      longest=saved.get("longest"))
         if save_stream is not None:
             join(save_stream, torch.cuda.current_stream(dev))
         launch(RECOMPUTE_KERNEL, {"dtype": tag, "K": K, "V": V, "BV": bv, "mode": "save"}, dev, chain_sizes, pointers,

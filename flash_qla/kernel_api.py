@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import plans
-from .backward import backward, gate_sums, native_v_first
+from .backward import backward, chain_blocks, gate_sums, native_v_first
 from .forward import (Link, LinkedEntry, SegmentStates, chunk_local_cumsum, device_cu_seqlens, forward, forward_plan,
                       native_state_io)
 from .gates import NO_GATE, KernelGate, head_vector
@@ -162,18 +162,19 @@ def _converted(grads, dtypes):
 
 def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm: bool, do, dht,
                  A=None, g_is_cumsum: bool = False, v_first: bool = False, gate: KernelGate = NO_GATE,
-                 gate_dtypes: tuple = (None, None), before_dht=None):
+                 gate_dtypes: tuple = (None, None), before_dht=None, longest: Optional[int] = None):
     """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; dh0 None without an initial state. v_first: initial_state,
     dht and dh0 are [N, Hv, V, K] (the kernels read and write them so, or, where the recompute plans intra-card CP,
     they are transposed around the call). gate: FLA's activations in the kernels (g / beta raw, dg / dbeta with
     respect to them); with gate.gate (dA_log [Hv], d dt_bias [Hv] or None) follow, in gate_dtypes.
     before_dht (flash_qla.distributed): backward.backward's hook; the call then runs as written, not from a recorded
     plan (the work the hook queues on another stream is not the plan's), and dht must be float32 and contiguous: the
-    tensor the kernels read, which the hook may write."""
+    tensor the kernels read, which the hook may write. longest: the longest sequence's tokens when the host knows the
+    lengths (the chains' V blocks then plan for the batch's skew; the blocks, not the lengths, join the plan's key)."""
     if v_first and not native_v_first(problem, q.dtype, q.device):
         swap = (lambda x: None if x is None else x.transpose(-1, -2).contiguous())
         grads = run_backward(problem, q, k, v, g, beta, swap(initial_state), cu_seqlens, use_qk_l2norm, do, swap(dht),
-                             A, g_is_cumsum, gate=gate, gate_dtypes=gate_dtypes)
+                             A, g_is_cumsum, gate=gate, gate_dtypes=gate_dtypes, longest=longest)
         return grads[:5] + (swap(grads[5]),) + grads[6:]
     validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
     dev = q.device
@@ -183,11 +184,15 @@ def run_backward(problem: Problem, q, k, v, g, beta, initial_state, cu_seqlens, 
               initial_state.dtype if initial_state is not None else None) + (gate_dtypes if gate.gate else ())
     key = ("bwd", dev.index, problem, dtypes, dht is not None, A is not None, bool(use_qk_l2norm), g_is_cumsum,
            v_first, gate.mode, settings.generation)
+    if longest is not None and problem.num_seqs > 1:  # the chains' V blocks, the one decision the lengths move
+        key += chain_blocks(problem, DTYPE_TAG[q.dtype], dev, longest)
+    else:
+        longest = None
 
     def record():
         qi, ki, vi, gi, bi, h0, cu, doi, dhti, Ai = inputs[:10]
         grads = backward(problem, qi, ki, vi, gi, bi, h0, cu, use_qk_l2norm, doi, dhti, Ai, g_is_cumsum=g_is_cumsum,
-                         v_first=v_first, gate=gate, before_dht=before_dht)
+                         v_first=v_first, gate=gate, before_dht=before_dht, longest=longest)
         dh0 = grads[5]
         if isinstance(dh0, SegmentStates):
             dh0 = per_sequence(problem, dh0, dev, "dh0")
@@ -244,13 +249,16 @@ class Call:
                                               gate_mode=self.gate_mode)
         return call
 
-    def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):
+    def __call__(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None,
+                 lengths: Optional[HostLengths] = None):
+        """lengths: this batch's host-known lengths, which plan the backward's chains under autograd."""
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
                                         or beta.requires_grad or
                                         (initial_state is not None and initial_state.requires_grad)
                                         or (A_log is not None and A_log.requires_grad)
                                         or (dt_bias is not None and dt_bias.requires_grad)):
-            return _ChunkGatedDeltaRule.apply(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+            return _ChunkGatedDeltaRule.apply(self, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                                              lengths.longest if lengths is not None else None)
         o, ht = self.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
         return o, (ht if self.output_final_state else None)
 
@@ -285,12 +293,12 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     """Saves only the inputs: the backward recomputes every intermediate (flash_qla/backward.py)."""
 
     @staticmethod
-    def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None):
+    def forward(ctx, call: Call, q, k, v, g, beta, initial_state, cu_seqlens, A_log=None, dt_bias=None, longest=None):
         if call.state_io.index is not None or call.state_io.write is not None:
             raise RuntimeError("a state pool or in-place state write under autograd: the API keeps these to torch's "
                                "passes (states.native_io)")
         o, ht = call.forward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-        ctx.call, ctx.cu_seqlens, ctx.has_h0 = call, cu_seqlens, initial_state is not None
+        ctx.call, ctx.cu_seqlens, ctx.has_h0, ctx.longest = call, cu_seqlens, initial_state is not None, longest
         ctx.gate_params = (A_log is not None, dt_bias is not None)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)
         return o, (ht if call.output_final_state else None)
@@ -305,13 +313,13 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         grads = run_backward(call.problem, q, k, v, g, beta, h0 if ctx.has_h0 else None, ctx.cu_seqlens, call.l2norm,
                              do, dht, v_first=call.state_io.v_first, gate=gate,
                              gate_dtypes=(A_log.dtype if ctx.gate_params[0] else None,
-                                          dt_bias.dtype if ctx.gate_params[1] else None))
+                                          dt_bias.dtype if ctx.gate_params[1] else None), longest=ctx.longest)
         dq, dk, dv, dg, dbeta, dh0 = grads[:6]
         dA_log = d_dt_bias = None
         if gate.gate:
             dA_log = grads[6].reshape(A_log.shape)
             d_dt_bias = grads[7].reshape(dt_bias.shape) if ctx.gate_params[1] else None
-        return None, dq, dk, dv, dg, dbeta, dh0, None, dA_log, d_dt_bias
+        return None, dq, dk, dv, dg, dbeta, dh0, None, dA_log, d_dt_bias, None
 
 
 def _plan(problem: Problem, dtype: torch.dtype, device: torch.device, l2norm: bool,
@@ -353,9 +361,10 @@ def chunk_gated_delta_rule(problem, q, k, v, g, beta, initial_state, output_fina
         validate_kernel_inputs(problem, q, g, beta, None, supported_head_dims())  # the pool's shape is the caller's
     else:
         validate_kernel_inputs(problem, q, g, beta, initial_state, supported_head_dims())
+    lengths = host_lengths_of(problem, cu_seqlens_cpu)
     return Call(problem, q.device, q.dtype, initial_state is not None, output_final_state,
-                use_qk_l2norm_in_kernel, host_lengths_of(problem, cu_seqlens_cpu), state_io,
-                auto_cp is not False, gate.mode)(q, k, v, g, beta, initial_state, cu_seqlens, gate.A_log, gate.dt_bias)
+                use_qk_l2norm_in_kernel, lengths, state_io, auto_cp is not False,
+                gate.mode)(q, k, v, g, beta, initial_state, cu_seqlens, gate.A_log, gate.dt_bias, lengths=lengths)
 
 
 def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
@@ -367,10 +376,13 @@ def chunk_gated_delta_rule_fwd(problem, q, k, v, g, beta, initial_state, output_
 
 
 def chunk_gated_delta_rule_bwd(problem, q, k, v, g_cumsum, beta, A, do, dht, initial_state, cu_seqlens,
-                               use_qk_l2norm_in_kernel):
+                               use_qk_l2norm_in_kernel, cu_seqlens_cpu=None):
     """FlashQLA's low-level backward. ``A`` (the forward's gate-free inverse, checked by the API; None: solved
     again) is read by the recompute pass instead of solved, as FlashQLA's backward reads it; g_cumsum goes to
-    gdn_prepare as it is."""
+    gdn_prepare as it is. cu_seqlens_cpu: cu_seqlens' values on the host (checked by the API), which plan the
+    chains from the batch's longest sequence."""
+    lengths = host_lengths_of(problem, cu_seqlens_cpu)
     dq, dk, dv, dg, dbeta, dh0 = run_backward(problem, q, k, v, g_cumsum, beta, initial_state, cu_seqlens,
-                                              use_qk_l2norm_in_kernel, do, dht, A, g_is_cumsum=True)
+                                              use_qk_l2norm_in_kernel, do, dht, A, g_is_cumsum=True,
+                                              longest=lengths.longest if lengths is not None else None)
     return dq, dk, dv, dbeta, dg, dh0

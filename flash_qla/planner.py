@@ -92,7 +92,8 @@ def _chain_us(chunks: float, chains: float, blocks_per_chain: int, num_sms: int,
 # A packed batch of several sequences (no CP) gives chains of unequal lengths that the host does not see (it knows
 # only the token and sequence counts). Its CTAs do not run in waves: gdn_plan dispatches the longest sequences first
 # and the short chains fill in behind, so a chain kernel takes about the longest chain or all the work spread over
-# the SMs, whichever is longer (_chain_us). The longest chain is taken as IRREGULAR_SKEW times the mean: the
+# the SMs, whichever is longer (_chain_us). Without the lengths on the host the longest chain is taken as IRREGULAR_SKEW
+# times the mean (with them, the batch's own longest over mean, chain_skew): the
 # matrix's batches have 2.4x and 3.1x (32k_8seq, 8k_8seq). Measured on the H200 (gdn_bwd_dh):
 # hk4_hv8 8k_8seq and 32k_8seq (64 chains) run 15% and 9%
 # faster in the whole backward at BV = 32 (256 CTAs, "two waves") than at 64; hk16_hv32's (256 chains) stay at 64,
@@ -102,14 +103,23 @@ IRREGULAR_SKEW = 2.0
 
 @functools.lru_cache(maxsize=4096)
 def plan_irregular_block_v(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, available: tuple,
-                           num_sms: int, costs: tuple) -> int:
-    """The V block for the chains of a batch of num_seqs > 1 sequences of unknown lengths (ties: the wider)."""
+                           num_sms: int, costs: tuple, skew: float = IRREGULAR_SKEW) -> int:
+    """The V block for the chains of a batch of num_seqs > 1 sequences whose longest is skew times the mean length
+    (unknown lengths: IRREGULAR_SKEW; ties: the wider)."""
     table = dict(costs)
     chunks = tokens / 64 * num_v_heads
-    # the longest chain, IRREGULAR_SKEW times the mean, is the mean of IRREGULAR_SKEW times fewer chains
-    chains = num_seqs * num_v_heads / IRREGULAR_SKEW
+    # the longest chain, skew times the mean, is the mean of skew times fewer chains
+    chains = num_seqs * num_v_heads / skew
     return min(sorted(set(available), reverse=True),
                key=lambda bv: _chain_us(chunks, chains, head_dim_v // bv, num_sms, table.get(bv, bv / 64)))
+
+
+def chain_skew(tokens: int, num_seqs: int, longest: Optional[int]) -> float:
+    """The longest sequence over the mean length, rounded to a tenth (plans keyed by it stay few), from the host-known
+    longest sequence; IRREGULAR_SKEW when the lengths are not known."""
+    if longest is None or tokens <= 0:
+        return IRREGULAR_SKEW
+    return max(1.0, round(longest * num_seqs / tokens, 1))
 
 
 # The plain forward's plan (plan_forward), from a model fitted on an H100 by least squares over every plan of 130 grid

@@ -11,7 +11,7 @@ and under the planner's own choice ("planned"). A row reports the best candidate
   bwd    the recompute and dh chains at V block 32 / 64 (force_block_v), each without CP and at each segment length
          the shape admits
 on its own grid (BWD_HEADS x BWD_LENGTHS), held-out shapes (BWD_HOLDOUT) or the benchmark matrix's backward rows
-(standard).
+(standard); with --host-lengths the backward gets cu_seqlens_cpu too.
 
 usage (GPU machine, repository root):
   python scripts/plan_sweep.py --out bench/results/h100/plan_sweep.jsonl [--sets grid,holdout,standard] [--l2norm]
@@ -195,11 +195,11 @@ def main() -> int:
     ap.add_argument("--sets", default="grid", help=f"comma-separated shape sets: {', '.join(SETS)}")
     ap.add_argument("--l2norm", action="store_true", help="time with use_qk_l2norm_in_kernel=True")
     ap.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd",
-                    help="bwd: the backward's plans (grid, holdout and standard sets; no --l2norm, --host-lengths, "
+                    help="bwd: the backward's plans (grid, holdout and standard sets; no --l2norm, --batch-order, "
                          "--merge)")
     ap.add_argument("--host-lengths", action="store_true",
                     help="pass cu_seqlens_cpu: the planner plans from the lengths and the fused kernel walks lengths "
-                         "out of order longest first")
+                         "out of order longest first (--pass bwd: the chains' V blocks plan from the longest)")
     ap.add_argument("--batch-order", action="store_true",
                     help="with --host-lengths, the fused kernel keeps the batch's order (the longest-first walk's A/B)")
     ap.add_argument("--only", default="", help="comma-separated candidate-name prefixes to time (with --merge)")
@@ -210,8 +210,8 @@ def main() -> int:
         if not args.host_lengths:
             raise SystemExit("plan_sweep: --batch-order is the A/B of --host-lengths' order: pass both")
         planner.FUSED_ORDER_MAX = 0
-    if args.pass_ == "bwd" and (args.l2norm or args.host_lengths or args.merge):
-        raise SystemExit("plan_sweep: --pass bwd sweeps plain calls: no --l2norm, --host-lengths or --merge")
+    if args.pass_ == "bwd" and (args.l2norm or args.batch_order or args.merge):
+        raise SystemExit("plan_sweep: --pass bwd sweeps plain calls: no --l2norm, --batch-order or --merge")
     if bool(only) != bool(args.merge):
         raise SystemExit("plan_sweep: --only and --merge go together")
     old_rows = {}
@@ -227,7 +227,8 @@ def main() -> int:
                     continue
                 x = draw_inputs(BenchRow(args.pass_, name, hq, hv, label, tuple(lens), 128), "cuda")
                 if args.pass_ == "bwd":
-                    call = backward_call(x, *forward_for_backward(x, "kernels"), "kernels")
+                    cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
+                    call = backward_call(x, *forward_for_backward(x, "kernels"), "kernels", cu_cpu)
                     cands = bwd_candidates(lens)
                     times = {c: time_bwd_plan(call, pins, device) for c, pins in cands.items()
                              if c.startswith(only or "")}

@@ -170,6 +170,35 @@ def test_low_level_bwd_matches_autograd_and_replays_in_a_graph():
     assert all(torch.equal(a, b) for a, b in zip(replayed, (dq, dk, dv, db, dg, dh0)))
 
 
+def test_host_lengths_plan_the_backward_chains():
+    """Equal lengths given on the host (cu_seqlens_cpu) plan both chains at BV = 64 where unknown lengths plan 32: the
+    gradients agree with the planned-32 call and fp64 through both entry points (the low-level backward and autograd),
+    and a later batch of other lengths under the same signature replans (the blocks join the plan's key)."""
+    from flash_qla import backward
+    x = draw([128] * 8, 2, 8, 128, 128, torch.bfloat16, seed=41)
+    do, dht = cotangents(x, seed=8)
+    cpu_cu = x["cu_seqlens"].cpu()
+    problem = flash_qla.validation.validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None,
+                                                   x["initial_state"], x["cu_seqlens"])
+    assert backward.chain_blocks(problem, "bf16", x["q"].device, None) != backward.chain_blocks(
+        problem, "bf16", x["q"].device, 128)
+    g_cumsum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x)
+    args = dict(q=x["q"], k=x["k"], v=x["v"], g=g_cumsum, beta=x["beta"], A=A, do=do, dht=dht,
+                initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    names = ("q", "k", "v", "beta", "g", "initial_state")
+    unknown = dict(zip(names, flash_qla.chunk_gated_delta_rule_bwd(**args)))
+    known = dict(zip(names, flash_qla.chunk_gated_delta_rule_bwd(**args, cu_seqlens_cpu=cpu_cu)))
+    want = grads(x, do, dht, fp64=True)
+    check(known, want, TOL, "bwd with host lengths")
+    for n in names:
+        assert reference.relative_l2(known[n], unknown[n]) < 1e-3, n
+    check(grads(x, do, dht, cu_seqlens_cpu=cpu_cu), want, TOL, "autograd with host lengths")
+    skewed = draw([64] * 6 + [256, 384], 2, 8, 128, 128, torch.bfloat16, seed=42)
+    do2, dht2 = cotangents(skewed, seed=9)
+    check(grads(skewed, do2, dht2, cu_seqlens_cpu=skewed["cu_seqlens"].cpu()), grads(skewed, do2, dht2, fp64=True),
+          TOL, "autograd, other lengths")
+
+
 @pytest.mark.parametrize("segment_chunks", [None, 3])
 def test_low_level_bwd_reads_the_forwards_inverse(segment_chunks, monkeypatch):
     """Given A, the recompute reads it instead of solving: gradients within tolerance of fp64 and close to the

@@ -44,6 +44,20 @@ def test_plan_irregular_chains(tokens, n, hv, want):
     assert plan_irregular_block_v(tokens, n, hv, 128, (32, 64), 132, costs) == want
 
 
+@pytest.mark.parametrize("tokens,n,hv,longest,want", [
+    (16384, 8, 8, 2048, 64),    # equal lengths: one wave of wide chains (H100 sweep: 0.392 ms against 0.429 at 32)
+    (18000, 3, 20, 6000, 64),   # 1.037 against 1.135
+    (8192, 8, 8, 3157, 32),     # hk4_hv8 8k_8seq's own lengths: narrow, as for unknown ones (0.267 against 0.289)
+    (32768, 8, 32, 9932, 64),   # hk16_hv32 32k_8seq
+])
+def test_plan_irregular_chains_from_host_lengths(tokens, n, hv, longest, want):
+    """With the lengths on the host the chains plan for the batch's own longest sequence (plan_sweep_bwd.jsonl)."""
+    from flash_qla.planner import IRREGULAR_SKEW, chain_skew
+    costs = tuple(sorted(STAGED_CHAIN_COST.items()))
+    assert chain_skew(tokens, n, None) == IRREGULAR_SKEW and chain_skew(tokens, n, tokens // n) == 1.0
+    assert plan_irregular_block_v(tokens, n, hv, 128, (32, 64), 132, costs, chain_skew(tokens, n, longest)) == want
+
+
 def test_no_block_built_is_an_error():
     with pytest.raises(ValueError, match="no V block is built for V = 96"):
         plan_block_v(1, 1, 96, [], 132)
@@ -201,6 +215,23 @@ def test_backward_chains_plan_batches_for_unequal_chains(monkeypatch, hq, hv, to
                      num_seqs=1, scale=128 ** -0.5, varlen=False)  # one sequence: equal chains, planned by waves
     assert fwd._block_v(single, "bf16", cpu, kernel=launch.RECOMPUTE_KERNEL, mode="save") == plan_block_v(
         1, hv, 128, [32, 64], 132, STAGED_CHAIN_COST)
+
+
+def test_backward_chains_plan_from_the_host_lengths(monkeypatch):
+    """A batch of equal lengths given on the host: both chains plan wide (one wave), where unknown lengths plan for a
+    longest sequence twice the mean; the blocks (backward.chain_blocks) are what the backward's plan key takes."""
+    import torch
+
+    from flash_qla import backward
+    from flash_qla import forward as fwd
+    from flash_qla.validation import Problem
+    monkeypatch.setattr(fwd, "num_sms", lambda device: 132)
+    problem = Problem(batch=1, tokens=16384, num_qk_heads=2, num_v_heads=8, head_dim_k=128, head_dim_v=128,
+                      num_seqs=8, scale=128 ** -0.5, varlen=True)
+    cpu = torch.device("cpu")
+    assert backward.chain_blocks(problem, "bf16", cpu, None) == (32, 32)
+    assert backward.chain_blocks(problem, "bf16", cpu, 2048) == (64, 64)
+    assert backward.chain_blocks(problem, "bf16", cpu, 6000) == (32, 32)
 
 
 def test_unordered_host_lengths_walk_the_fused_kernel_longest_first(monkeypatch):

@@ -5,7 +5,7 @@ package provides (the reference today, the sm_90a kernels later) is what gets ti
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence, Tuple
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,13 +37,17 @@ def forward_for_backward(x: BenchInputs, backend: str) -> Tuple[torch.Tensor, to
     return g_cumsum, A
 
 
-def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backend: str) -> Callable[[], object]:
+def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backend: str,
+                  cu_seqlens_cpu: Optional[torch.Tensor] = None) -> Callable[[], object]:
     """The low-level backward as the peers' benchmark times FlashQLA's: dq, dk, dv, dbeta, dg, dh0 from
-    the saved forward tensors, the output gradient do and the final-state gradient dht."""
+    the saved forward tensors, the output gradient do and the final-state gradient dht (cu_seqlens_cpu: the lengths
+    on the host too, which plan the chains)."""
+    extra = {} if cu_seqlens_cpu is None else {"cu_seqlens_cpu": cu_seqlens_cpu}
+
     def run():
         return flash_qla.chunk_gated_delta_rule_bwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.do, dht=x.dht,
                                                     scale=x.scale, initial_state=x.h0, cu_seqlens=x.cu_seqlens,
-                                                    backend=backend)
+                                                    backend=backend, **extra)
     return run
 
 
