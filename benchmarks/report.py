@@ -164,7 +164,8 @@ NCU_COLUMNS = [("kernel", "kernel"), ("row", "row"), ("build", "build"), ("durat
                ("dram_pct", "DRAM %"), ("sm_pct", "SM %"), ("l1tex_pct", "L1/TEX %"),
                ("issue_per_scheduler", "issued / scheduler"), ("no_eligible_pct", "no eligible %"),
                ("occupancy_pct", "occupancy %"), ("l2_input_sectors", "L2 sectors in"), ("l2_hit_pct", "L2 hit %"),
-               ("dram_read_mb", "DRAM MB read")]
+               ("dram_read_mb", "DRAM MB read"), ("shared_wavefronts_m", "shared wavefronts M"),
+               ("shared_st_inst_m", "st.shared M")]
 
 
 def ncu_section(card: Card) -> List[str]:

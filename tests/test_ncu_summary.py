@@ -47,3 +47,30 @@ def test_main_writes_rows_the_report_shows(tmp_path, monkeypatch):
     from benchmarks.report import ncu_section
     lines = ncu_section(Card(name="h100", path=card, ours=[], ncu=[row]))
     assert any("`gdn_demo` | TP2 8192x4 | after | 1250" in line and "8.7M" in line for line in lines)
+
+
+CSV_RUN = """==PROF== Connected to process 9 (/usr/bin/python3)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","9","python3","h","void device_kernel<Flat<bfloat16_t>>(Params)","1","7","(512, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","413,600"
+"0","9","python3","h","void device_kernel<Flat<bfloat16_t>>(Params)","1","7","(512, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","l1tex__data_pipe_lsu_wavefronts_mem_shared.sum","","49,682,633"
+"0","9","python3","h","void device_kernel<Flat<bfloat16_t>>(Params)","1","7","(512, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","smsp__inst_executed_op_shared_st.sum","inst","196,608"
+"0","9","python3","h","void device_kernel<Flat<bfloat16_t>>(Params)","1","7","(512, 1, 1)","(256, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","428,506,880"
+"1","9","python3","h","void other_kernel(Params)","1","7","(32, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","2,000"
+"""
+
+
+def test_csv_metric_runs_merge_with_a_details_page(tmp_path, monkeypatch):
+    """`ncu --metrics --csv` output: the first launch's counters in millions, its duration and DRAM bytes; joined by
+    "+" with a details page, one row holds both (the page's fields where both have one)."""
+    rec = ncu_summary.parse_csv(CSV_RUN)
+    assert rec["kernel"] == "device" and rec["duration_us"] == 413.6 and rec["dram_read_mb"] == 428.5
+    assert rec["shared_wavefronts_m"] == 49.683 and rec["shared_st_inst_m"] == 0.197
+    page, run = tmp_path / "page.txt", tmp_path / "run.csv"
+    page.write_text(PAGE)
+    run.write_text(CSV_RUN)
+    merged = ncu_summary.parse_report(f"{page}+{run}")
+    assert merged["kernel"] == "gdn_demo" and merged["duration_us"] == 1250.0 and merged["shared_wavefronts_m"] == 49.683
+    out = tmp_path / "ncu.jsonl"
+    monkeypatch.setattr("sys.argv", ["ncu_summary", str(out), f"{run}=TP2 4096x8=peer", "--kernel", "peer kernel"])
+    ncu_summary.main()
+    assert json.loads(out.read_text())["kernel"] == "peer kernel"
