@@ -184,3 +184,19 @@ def test_planner_with_host_lengths_against_the_committed_sweeps(names, close, wo
     ratios = sorted(r for r, _, _ in results)
     assert len(ratios) >= 24
     assert sum(r <= 1.03 for r in ratios) / len(ratios) >= close and ratios[-1] < worst, ratios[-5:]
+
+
+def test_backward_sweep_candidates_and_shapes():
+    """plan_sweep.py --pass bwd: each built chain V block without CP and at each segment length giving the longest
+    sequence two segments; its grid, holdout and standard sets (the matrix's backward rows)."""
+    spec_ = importlib.util.spec_from_file_location("plan_sweep", ROOT / "scripts" / "plan_sweep.py")
+    sweep = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sweep)
+    cands = sweep.bwd_candidates((4096, 256))
+    assert set(cands) == {f"bwd_bv{bv}{cp}" for bv in (32, 64) for cp in ("", "_cp_L8", "_cp_L16", "_cp_L32")}
+    assert cands["bwd_bv64_cp_L16"] == {"force_block_v": 64, "force_segment_chunks": 16}
+    assert cands["bwd_bv32"] == {"force_block_v": 32, "force_segment_chunks": 0}
+    assert len(list(sweep.shapes("grid", "bwd"))) == len(sweep.BWD_HEADS) * len(sweep.BWD_LENGTHS)
+    assert [s[0] for s in sweep.shapes("standard", "bwd")][0] == "hk16_hv32|8k_1seq"
+    with pytest.raises(ValueError, match="grid, holdout and standard"):
+        list(sweep.shapes("mixes", "bwd"))
