@@ -132,9 +132,11 @@ def chain_skew(tokens: int, num_seqs: int, longest: Optional[int]) -> float:
 # rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
 # gdn_fwd_fused's per-chunk times (H100 sweep, bench/results/h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py):
-# 2.31 / 3.20 us at BV 64 / 128 with O leaving by TMA stores and W^T / P moved by ldmatrix / stmatrix (2.45 / 3.46
-# before those; 2.9 / 4.6 while the O store was lowered to scalar stores)
-FUSED_FIT_US = {64: (2.311, 7.49), 128: (3.201, 11.27)}       # gdn_fwd_fused: (per chunk, per chain)
+# 2.31 / 3.22 us at BV 64 / 128 with O leaving by TMA stores and W^T / P moved by ldmatrix / stmatrix (2.45 / 3.46
+# before those; 2.9 / 4.6 while the O store was lowered to scalar stores). Refitted with the streaming terms after a
+# K-first one-block state stopped being prefetched (its streamed items got cheaper: FUSED_STREAM_US[128]'s fill term
+# 1.61 -> 1.21 us; the plan took BV = 64 at 1.07x BV = 128 on TP8 64 x 64 and TP2 16 x 64 before it)
+FUSED_FIT_US = {64: (2.310, 7.46), 128: (3.217, 11.01)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
 # walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then,
 # and for batches of one-chunk sequences below that count (H100 least squares over the batches past that count of
@@ -152,7 +154,7 @@ FUSED_ORDER_MAX = 128
 # tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms, TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full
 # chunks, which keep 528). The prediction keeps the 528-CTA model: the cap only shortens a plan it already chose.
 FUSED_ONE_ROUND_ITEMS = 8
-FUSED_STREAM_US = {64: (5.356, 0.117, 1.938, 2.275), 128: (8.292, 1.609, 3.098, 3.239)}
+FUSED_STREAM_US = {64: (5.367, 0.094, 2.103, 2.272), 128: (8.291, 1.209, 2.926, 3.220)}
 # gdn_fwd_chain "out": (per chunk, per chain), the split plan's time beyond gdn_prepare's predicted part (plan_fit.py)
 CHAIN_FIT_US = {64: (1.231, 2.802), 128: (1.787, 3.822)}
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
