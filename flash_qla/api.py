@@ -408,10 +408,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None, in
     if A is not None:
         _check_gate_free_inverse(A, q, problem)
     if select_backend(q.device, backend) == "kernels":
-        return _kernel_ops().chunk_gated_delta_rule_bwd(problem, q, k, v, g, beta, A, do, dht, initial_state,
-                                                        cu_seqlens, use_qk_l2norm_in_kernel,
-                                                        **kernel_extras(_kernel_ops().chunk_gated_delta_rule_bwd,
-                                                                        cu_seqlens_cpu=cu_seqlens_cpu))
+        entry = _kernel_ops().chunk_gated_delta_rule_bwd
+        return entry(problem, q, k, v, g, beta, A, do, dht, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                     **kernel_extras(entry, cu_seqlens_cpu=cu_seqlens_cpu))
     return _reference_bwd(problem, q, k, v, g, beta, do, dht, initial_state,
                           cu_seqlens_cpu if cu_seqlens_cpu is not None else _host(cu_seqlens), use_qk_l2norm_in_kernel)
 

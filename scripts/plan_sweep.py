@@ -226,8 +226,8 @@ def main() -> int:
                 if args.shapes and args.shapes not in name:
                     continue
                 x = draw_inputs(BenchRow(args.pass_, name, hq, hv, label, tuple(lens), 128), "cuda")
+                cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
                 if args.pass_ == "bwd":
-                    cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
                     call = backward_call(x, *forward_for_backward(x, "kernels"), "kernels", cu_cpu)
                     cands = bwd_candidates(lens)
                     times = {c: time_bwd_plan(call, pins, device) for c, pins in cands.items()
@@ -235,7 +235,6 @@ def main() -> int:
                     planned = time_bwd_plan(call, {}, device)
                 else:
                     cands = candidates(hq, hv, lens, args.l2norm)
-                    cu_cpu = x.cu_seqlens.cpu() if args.host_lengths and x.cu_seqlens is not None else None
                     timed = {c: time_plan(x, pins, device, args.l2norm, cu_cpu)
                              for c, pins in cands.items() if c.startswith(only or "")}
                     times = merged_times(timed, old_rows.get((which, name, args.l2norm)), only, cands)
