@@ -7,14 +7,16 @@ ROW: a substring of the row key ("TP1-397B|4096x8"). A peer needs the staged pee
 and must run in its environment: its input maker and calls come from that folder's peer_bench.py.
 """
 import argparse
+import importlib.util
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_qla.bench.matrix import iter_rows, load_matrix
+MATRIX_PY = Path(__file__).resolve().parent.parent / "flash_qla" / "bench" / "matrix.py"
 
 
 def split(fn, iters: int = 10) -> dict:
@@ -42,11 +44,22 @@ def ours_calls(pass_: str, wants: list):
         yield row, call
 
 
+def matrix_module():
+    """The benchmark matrix reader, loaded from its file (it imports only the standard library): in a peer's
+    environment the name `flash_qla` is FlashQLA's package, which shadows this repository's."""
+    spec = importlib.util.spec_from_file_location("_flash_qla_bench_matrix", MATRIX_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def peer_calls(lib: str, peers_dir: str, pass_: str, wants: list):
     sys.path.insert(0, peers_dir)
     import peer_bench  # the peers' input maker and call wrappers
     _, fwd, bwd = peer_bench.peer(lib)
-    for row in iter_rows(load_matrix(), (pass_,)):
+    matrix = matrix_module()
+    for row in matrix.iter_rows(matrix.load_matrix(str(Path(peers_dir) / "matrix.json")), (pass_,)):
         if any(w in row.key for w in wants):
             d = peer_bench.make(list(row.seqlens), row.hq, row.hv, row.head_dim)
             if pass_ == "fwd":
