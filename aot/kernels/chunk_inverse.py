@@ -12,6 +12,17 @@ import tilelang.language as T
 C = 64
 B = 16            # diagonal block
 NB = C // B
+SCRATCH_COLS = C + 8  # the fp32 K K^T / inverse tiles' rows (scratch_layout)
+
+
+def scratch_layout():
+    """The layout of the fp32 K K^T and inverse tiles (C x SCRATCH_COLS): rows of 72 floats (rows r .. r + 3 start 8
+    banks apart), each 8-float group's halves swapped on rows with r / 4 odd. The accumulator's 8-byte stores (4 rows x
+    8 columns a half-warp), the m16n8k8 A-fragment loads (8 rows x 4 columns) and B-fragment loads (4 rows x 8
+    columns) each meet 32 distinct banks (rows padded by 4 floats left the stores and B loads 2-way conflicted). The
+    swap stays inside 8 columns, so the diagonal blocks' addresses (a thread's block at a multiple of 16) keep
+    compile-time offsets."""
+    return T.Layout([C, SCRATCH_COLS], lambda i, j: [i, j // 8 * 8 + (j // 4 % 2 ^ i // 4 % 2) * 4 + j % 4])
 
 
 @T.macro

@@ -35,7 +35,7 @@ one-CTA-per-item kernel.
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from .chunk_inverse import invert_chunk
+from .chunk_inverse import SCRATCH_COLS, invert_chunk, scratch_layout
 from .fragment_io import PRELUDE as FRAGMENT_PRELUDE, block_address
 from .common import L2NORM_EPS
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
@@ -158,13 +158,14 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
             # O staged for its TMA store: warpgroup wg's 64 x 64 box at rows wg * C (swizzled: the transposed
             # stmatrix rows land in distinct banks)
             o_s = T.alloc_shared((NC * C, 64), dt)
-            # the aux warpgroup's scratch: K K^T and the inverse in fp32 (rows padded: the MMA-layout stores and the
-            # fragment loads of the block products hit different banks), the products' intermediate
-            kk_s = T.alloc_shared((C, C + 4), "float32")
-            ainv = T.alloc_shared((C, C + 4), "float32")
+            # the aux warpgroup's scratch: K K^T and the inverse in fp32 (chunk_inverse.scratch_layout: conflict-free
+            # for the MMA-layout stores and the block products' fragment loads), the products' intermediate
+            kk_s = T.alloc_shared((C, SCRATCH_COLS), "float32")
+            ainv = T.alloc_shared((C, SCRATCH_COLS), "float32")
             tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
             stb_s = T.alloc_shared((BV, K), dt) if NC > 1 else None
-            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s)})
+            T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s),
+                               kk_s: scratch_layout(), ainv: scratch_layout()})
             if NC > 1:
                 T.annotate_layout({stb_s: make_swizzled_layout(stb_s)})
             full = T.alloc_barrier([32] * stages)

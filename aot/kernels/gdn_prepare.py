@@ -26,7 +26,7 @@ the stage ran at ~2.4 TB/s (hk16_hv32 32k: 0.282 -> 0.231 ms, H200).
 """
 import tilelang.language as T
 
-from .chunk_inverse import invert_chunk
+from .chunk_inverse import SCRATCH_COLS, invert_chunk, scratch_layout
 from .common import L2NORM_EPS, last_at_most
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_log
 from .tile_rows import l2norm_row
@@ -117,12 +117,14 @@ def build(dtype: str, K: int, A: str = "solve"):
             kk = T.alloc_fragment((C, C), "float32")
             qk = T.alloc_fragment((C, C), "float32")
             # K K^T and scale Q K^T, shared by the group's heads: beta scales K K^T's rows and the gate
-            # multiplies both per head. Padded rows: the MMA-layout stores hit 4-8-way bank conflicts without (ncu)
-            # (reading A: only K K^T's diagonal |k_i|^2, for bkk_max)
-            kk_s = T.alloc_shared((C, 1) if read else (C, C + 4), "float32")
+            # multiplies both per head. Padded rows: the MMA-layout stores hit 4-8-way bank conflicts without (ncu);
+            # K K^T and the inverse in chunk_inverse.scratch_layout (reading A: only K K^T's diagonal |k_i|^2, for
+            # bkk_max)
+            kk_s = T.alloc_shared((C, 1) if read else (C, SCRATCH_COLS), "float32")
             qk_s = T.alloc_shared((C, C + 8), dt)
             if not read:
-                ainv = T.alloc_shared((C, C + 4), "float32")
+                ainv = T.alloc_shared((C, SCRATCH_COLS), "float32")
+                T.annotate_layout({kk_s: scratch_layout(), ainv: scratch_layout()})
                 # L_rc A_cc of the current step, read as the products' B operand: rows padded to 40 words, so the
                 # fragment loads (4 rows x 8 columns per instruction) hit 32 different banks
                 tmp = T.alloc_shared((2 * B, 2 * B + 8), "float32")
