@@ -42,12 +42,10 @@ def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backe
     """The low-level backward as the peers' benchmark times FlashQLA's: dq, dk, dv, dbeta, dg, dh0 from
     the saved forward tensors, the output gradient do and the final-state gradient dht (cu_seqlens_cpu: the lengths
     on the host too, which plan the chains)."""
-    extra = {} if cu_seqlens_cpu is None else {"cu_seqlens_cpu": cu_seqlens_cpu}
-
     def run():
         return flash_qla.chunk_gated_delta_rule_bwd(x.q, x.k, x.v, g_cumsum, x.beta, A, x.do, dht=x.dht,
                                                     scale=x.scale, initial_state=x.h0, cu_seqlens=x.cu_seqlens,
-                                                    backend=backend, **extra)
+                                                    backend=backend, cu_seqlens_cpu=cu_seqlens_cpu)
     return run
 
 
