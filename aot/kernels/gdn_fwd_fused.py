@@ -4,7 +4,7 @@ and o (and the final state) written. use_qk_l2norm_in_kernel is applied algebrai
 gdn_prepare + gdn_fwd_chain materialise Agb and P (256 bytes per token and v-head, written once and read back): on
 the rows where sequences x heads fill the GPU that round trip and the extra pass cost as much as the chain itself.
 Here what gdn_prepare writes to memory is made in shared memory, one to two chunks ahead of the chain: Agb =
-Gamma * A * beta_col (the inverse of the gated K K^T is Gamma * A, chunk_inverse.py) and P = scale * Gamma *
+Gamma * A * beta_col (the inverse of the gated K K^T is Gamma * A, made by inverse_mma.py) and P = scale * Gamma *
 tril(Q K^T) by an aux warpgroup; gamma (the chunk-local cumsum of g), eg = exp(gamma) and et = exp(gamma_last -
 gamma) (0 past the end) by the producer warp.
 Warpgroups (threads):
@@ -35,8 +35,10 @@ one-CTA-per-item kernel.
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from .chunk_inverse import SCRATCH_COLS, invert_chunk, scratch_layout
+from .chunk_inverse import SCRATCH_COLS, scratch_layout
 from .fragment_io import PRELUDE as FRAGMENT_PRELUDE, block_address
+from .block_fragments import PRELUDE as BLOCK_PRELUDE
+from .inverse_mma import invert_gated, store_gated_kkt
 from .common import L2NORM_EPS
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
@@ -75,7 +77,7 @@ PRELUDE = r"""
 __device__ __forceinline__ void fqla_prefetch_l2(const void* p, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
-""" + FRAGMENT_PRELUDE
+""" + FRAGMENT_PRELUDE + BLOCK_PRELUDE
 
 
 @T.macro
@@ -158,14 +160,14 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
             # O staged for its TMA store: warpgroup wg's 64 x 64 box at rows wg * C (swizzled: the transposed
             # stmatrix rows land in distinct banks)
             o_s = T.alloc_shared((NC * C, 64), dt)
-            # the aux warpgroup's scratch: K K^T and the inverse in fp32 (chunk_inverse.scratch_layout: conflict-free
-            # for the MMA-layout stores and the block products' fragment loads), the products' intermediate
+            # the aux warpgroup's scratch (inverse_mma.py): the gated K K^T in the storage dtype (the block products'
+            # operand) and its diagonal blocks in fp32 (the substitution's; chunk_inverse.scratch_layout: conflict-free
+            # for the accumulator's stores and the substitution's reads)
+            gm_s = T.alloc_shared((C, C), dt)
             kk_s = T.alloc_shared((C, SCRATCH_COLS), "float32")
-            ainv = T.alloc_shared((C, SCRATCH_COLS), "float32")
-            tmp = T.alloc_shared((C // 2, C // 2 + 8), "float32")
             stb_s = T.alloc_shared((BV, K), dt) if NC > 1 else None
             T.annotate_layout({v_s: make_swizzled_layout(v_s), o_s: make_swizzled_layout(o_s),
-                               kk_s: scratch_layout(), ainv: scratch_layout()})
+                               gm_s: make_swizzled_layout(gm_s), kk_s: scratch_layout()})
             if NC > 1:
                 T.annotate_layout({stb_s: make_swizzled_layout(stb_s)})
             full = T.alloc_barrier([32] * stages)
@@ -275,11 +277,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                 qk = T.alloc_fragment((C, C), "float32") if NC == 1 else kk  # BV = 128: one accumulator at a time
                 x = T.alloc_local((16,), "float32")
                 dot = T.alloc_local((1,), "float32")
-                acc = T.alloc_local((8,), "float32")
-                ahi = T.alloc_local((4,), "float32")
-                alo = T.alloc_local((4,), "float32")
-                bhi = T.alloc_local((2,), "float32")
-                blo = T.alloc_local((2,), "float32")
+                xt = T.alloc_local((8,), "float32")
+                x2t = T.alloc_local((8,), "float32")
+                yacc = T.alloc_local((8,), "float32")
                 qq = T.alloc_fragment((C, C), "float32") if l2norm else None
                 gate = T.alloc_fragment((C, C), "float32")
                 # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
@@ -326,7 +326,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     # gate-free inverse, gated), so Agb below is one column scaling; Gamma <= 1 below the diagonal (no
                     # overflow). The solve never reads the diagonal. P = scale * Gamma * tril(Q K^T), rounded once.
                     for i, j in T.Parallel(C, C):
-                        kk_s[i, j] = kk[i, j] * gate[i, j]
+                        kk[i, j] = kk[i, j] * gate[i, j]
+                    store_gated_kkt(kk, gm_s, kk_s, tid, dtype, SCRATCH_COLS)
                     if NC > 1:  # the accumulator stored, then reused for Q K^T
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
@@ -337,11 +338,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     for jj in T.unroll(C // 16):
                         row, col = block_address(tid % 32, jj, tid // 32, False)
                         T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data, jj)
-                    T.sync_threads(AUX_BARRIER, 128)  # kk_s
-                    # Agb = (Gamma * A) diag(beta) written block by block as the inverse makes them; one TF32 product per
-                    # step: its ~1e-3 relative error sits below Agb's own bf16 rounding (4e-3), and nothing keeps A
-                    invert_chunk(kk_s, b_s, s, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid, AUX_BARRIER, 128,
-                                 split_pairs=True, terms=1, out=agb_s, out_stage=s)
+                    T.sync_threads(AUX_BARRIER, 128)  # gm_s, kk_s
+                    # Agb = (Gamma * A) diag(beta) made block by block from G and the Agb blocks before it
+                    invert_gated(kk_s, gm_s, b_s, s, agb_s, s, x, dot, xt, x2t, yacc, tid, dtype, AUX_BARRIER)
                     T.fence_proxy_async()  # generic-proxy writes, then the consumers' tensor-core (async proxy) reads
                     T.barrier_arrive(ready[s])
             else:
