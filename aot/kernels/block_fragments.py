@@ -42,6 +42,13 @@ __device__ __forceinline__ void fqla_inv_y_##SUF(float* y, const void* pa, const
   b[0] = PACK(xt[0], xt[1]); b[1] = PACK(xt[4], xt[5]); b[2] = PACK(xt[2], xt[3]); b[3] = PACK(xt[6], xt[7]); \
   fqla_mma16_##SUF(y, a, b); \
 } \
+/* y += (block at pa, block_rows) (block at pb, block_cols)^T */ \
+__device__ __forceinline__ void fqla_inv_abt_##SUF(float* y, const void* pa, const void* pb) { \
+  unsigned a[4], b[4]; \
+  fqla_ldsm4(pa, a); \
+  fqla_ldsm4(pb, b); \
+  fqla_mma16_##SUF(y, a, b); \
+} \
 /* the block at p (its block_rows address) = -y, rounded */ \
 __device__ __forceinline__ void fqla_inv_store_neg_##SUF(void* p, const float* y) { \
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \

@@ -58,6 +58,7 @@ PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 OUT_ROWS_PER_PASS = 16   # a sequence's last, partial chunk: 64 O columns stored as 8 threads x 16 bytes per row
 OUT_BARRIER = 8          # + consumer warpgroup: its O staging
 AUX_BARRIER = 12         # the aux warpgroup's own
+PAIR_BARRIER = 13        # + 0 / 1: two of the aux's warps (inverse_mma.invert_gated)
 LOG2E = 1.4426950408889634
 FULL_MASK = 0xFFFFFFFF
 # registers per thread (setmaxnreg): sum over warpgroups <= 512 (64K registers / 128 threads)
@@ -278,7 +279,6 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                 x = T.alloc_local((16,), "float32")
                 dot = T.alloc_local((1,), "float32")
                 xt = T.alloc_local((8,), "float32")
-                x2t = T.alloc_local((8,), "float32")
                 yacc = T.alloc_local((8,), "float32")
                 qq = T.alloc_fragment((C, C), "float32") if l2norm else None
                 gate = T.alloc_fragment((C, C), "float32")
@@ -340,7 +340,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data, jj)
                     T.sync_threads(AUX_BARRIER, 128)  # gm_s, kk_s
                     # Agb = (Gamma * A) diag(beta) made block by block from G and the Agb blocks before it
-                    invert_gated(kk_s, gm_s, b_s, s, agb_s, s, x, dot, xt, x2t, yacc, tid, dtype, AUX_BARRIER)
+                    invert_gated(kk_s, gm_s, b_s, s, agb_s, s, x, dot, xt, yacc, tid, dtype, AUX_BARRIER,
+                                 PAIR_BARRIER)
                     T.fence_proxy_async()  # generic-proxy writes, then the consumers' tensor-core (async proxy) reads
                     T.barrier_arrive(ready[s])
             else:

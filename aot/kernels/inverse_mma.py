@@ -29,10 +29,11 @@ def store_gated_kkt(kk, gm_s, kd_s, tid, suffix, row_floats):
 
 
 @T.macro
-def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, x2t, y, tid, suffix, bar_id):
+def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, y, tid, suffix, bar_id, pair_bar):
     """out[st] (64 x 64, storage dtype; its blocks above the diagonal untouched) = Agb, from kd_s / gm_s
-    (store_gated_kkt) and beta[bi, :]. tid: 0..127 within the warpgroup, bar_id its named barrier; ends with a barrier
-    after the last write. x: 16 fp32 locals, dot: 1, xt / x2t / y: 8."""
+    (store_gated_kkt) and beta[bi, :]. tid: 0..127 within the warpgroup, bar_id its named barrier, pair_bar and
+    pair_bar + 1 two more (64 threads each); ends with a barrier after the last write. x: 16 fp32 locals, dot: 1,
+    xt / y: 8."""
     # the diagonal blocks by forward substitution in fp32: thread tid < 64 owns column tid % 16 of block tid // 16,
     # x_i = [i == col] - beta_i sum_{j<i} (G)_ij x_j; Agb_dd = A_dd diag(beta)
     if tid < C:
@@ -63,7 +64,8 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, x2t, y, tid, suffix,
         T.call_extern("handle", "fqla_inv_store_neg_" + suffix, T.address_of(out[st, ra, ca]), y.data)
     T.sync_threads(bar_id, 128)
     # the 32 x 32 block below them, a 16 x 16 block (r3, c3) a warp: Agb_r3,c3 = -sum_{m=2..r3} Agb_r3,m X_m,c3 with
-    # X_m,c3 = sum_{m'=c3..1} G_m,m' Agb_m',c3; a warp of row 3 makes X_2,c3 itself (no exchange, no barrier)
+    # X_m,c3 = sum_{m'=c3..1} G_m,m' Agb_m',c3; the warp of (2, c3) hands X_2,c3^T to the warp of (3, c3) through G's
+    # block (0, 2 + c3) (above the diagonal: never read) on a barrier of the two warps (pair_bar + c3)
     r3 = warp // 2 + 2
     c3 = warp % 2
     zero8(xt)
@@ -73,19 +75,18 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, x2t, y, tid, suffix,
             rb, cb = block_cols(lane, r3 * B, m * B)
             T.call_extern("handle", "fqla_inv_xt_" + suffix, xt.data, T.address_of(out[st, ra, ca]),
                           T.address_of(gm_s[rb, cb]))
+    if r3 == 2:
+        ra, ca = block_rows(lane, 0, (2 + c3) * B)
+        T.call_extern("handle", "fqla_stsm_" + suffix, T.address_of(gm_s[ra, ca]), xt.data, 0)
     zero8(y)
     ra, ca = block_rows(lane, r3 * B, r3 * B)
     T.call_extern("handle", "fqla_inv_y_" + suffix, y.data, T.address_of(out[st, ra, ca]), xt.data)
+    T.sync_threads(pair_bar + c3, 64)
     if r3 == 3:
-        zero8(x2t)
-        for m in T.unroll(2):
-            if m >= c3:
-                ra, ca = block_cols(lane, m * B, c3 * B)
-                rb, cb = block_cols(lane, 2 * B, m * B)
-                T.call_extern("handle", "fqla_inv_xt_" + suffix, x2t.data, T.address_of(out[st, ra, ca]),
-                              T.address_of(gm_s[rb, cb]))
         ra, ca = block_rows(lane, 3 * B, 2 * B)
-        T.call_extern("handle", "fqla_inv_y_" + suffix, y.data, T.address_of(out[st, ra, ca]), x2t.data)
+        rb, cb = block_cols(lane, 0, (2 + c3) * B)
+        T.call_extern("handle", "fqla_inv_abt_" + suffix, y.data, T.address_of(out[st, ra, ca]),
+                      T.address_of(gm_s[rb, cb]))
     ra, ca = block_rows(lane, r3 * B, c3 * B)
     T.call_extern("handle", "fqla_inv_store_neg_" + suffix, T.address_of(out[st, ra, ca]), y.data)
     T.sync_threads(bar_id, 128)
