@@ -73,19 +73,25 @@ def store_tile(dst, row, col, acc, sign, lane):
 
 
 @T.macro
+def substitute_diagonal(kk_s, beta, bi, x, dot, tid):
+    """The diagonal 16 x 16 blocks by forward substitution in fp32 (threads tid < 64): x = column tid % 16 of block
+    tid // 16's inverse, x_i = [i == col] - beta_i sum_{j<i} kk_s_ij x_j within the block (0 above the diagonal)."""
+    d0 = (tid // B) * B
+    for i in T.unroll(B):
+        dot[0] = 0.0
+        for j in T.unroll(i):
+            dot[0] += kk_s[d0 + i, d0 + j] * x[j]
+        x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
+
+
+@T.macro
 def invert_chunk(kk_s, beta, bi, ainv, tmp, x, dot, acc, ahi, alo, bhi, blo, tid):
     """ainv (64 x 64 fp32, lower triangle and diagonal written) = the inverse, from kk_s = K K^T (fp32, read below
     the diagonal) and beta[bi, :], on a one-warpgroup CTA (its barriers are the CTA's). tid: 0..127. Ends with the
     barrier after the last write of ainv. x: 16 fp32 locals, dot: 1, acc: 8, ahi / alo: 4, bhi / blo: 2."""
-    # diagonal blocks: thread tid < 64 owns column tid % 16 of block tid // 16,
-    # x_i = [i == col] - beta_i sum_{j<i} (K K^T)_ij x_j within the block (0 above the diagonal)
     if tid < C:
+        substitute_diagonal(kk_s, beta, bi, x, dot, tid)
         d0 = (tid // B) * B
-        for i in T.unroll(B):
-            dot[0] = 0.0
-            for j in T.unroll(i):
-                dot[0] += kk_s[d0 + i, d0 + j] * x[j]
-            x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
         for i in T.unroll(B):
             ainv[d0 + i, tid] = x[i]
     T.sync_threads()

@@ -12,7 +12,7 @@ Operand precision is the storage dtype's, Agb's own rounding. Addresses and C he
 import tilelang.language as T
 
 from .block_fragments import block_cols, block_rows
-from .chunk_inverse import B, C, zero8
+from .chunk_inverse import B, C, substitute_diagonal, zero8
 
 
 @T.macro
@@ -34,15 +34,10 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, y, tid, suffix, bar_
     (store_gated_kkt) and beta[bi, :]. tid: 0..127 within the warpgroup, bar_id its named barrier, pair_bar and
     pair_bar + 1 two more (64 threads each); ends with a barrier after the last write. x: 16 fp32 locals, dot: 1,
     xt / y: 8."""
-    # the diagonal blocks by forward substitution in fp32: thread tid < 64 owns column tid % 16 of block tid // 16,
-    # x_i = [i == col] - beta_i sum_{j<i} (G)_ij x_j; Agb_dd = A_dd diag(beta)
+    # the diagonal blocks in fp32 (A_dd), then Agb_dd = A_dd diag(beta)
     if tid < C:
+        substitute_diagonal(kd_s, beta, bi, x, dot, tid)
         d0 = (tid // B) * B
-        for i in T.unroll(B):
-            dot[0] = 0.0
-            for j in T.unroll(i):
-                dot[0] += kd_s[d0 + i, d0 + j] * x[j]
-            x[i] = T.if_then_else(i == tid - d0, 1.0, -beta[bi, d0 + i] * dot[0])
         dot[0] = beta[bi, tid]
         for i in T.unroll(B):
             out[st, d0 + i, tid] = T.cast(x[i] * dot[0], out.dtype)
