@@ -28,25 +28,19 @@ __device__ __forceinline__ void fqla_mma16_##SUF(float* d, const unsigned* a, co
         "{%0, %1, %2, %3};" : "+f"(d[4 * n]), "+f"(d[4 * n + 1]), "+f"(d[4 * n + 2]), "+f"(d[4 * n + 3]) \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * n]), "r"(b[2 * n + 1])); \
 } \
-/* xt += (block at pa)^T (block at pb)^T, both by their block_cols addresses */ \
-__device__ __forceinline__ void fqla_inv_xt_##SUF(float* xt, const void* pa, const void* pb) { \
+/* y += op(block at pa) (block at pb, its block_cols address)^T: op the block itself (its block_rows address) or, ta, \
+   its transpose (its block_cols address) */ \
+__device__ __forceinline__ void fqla_inv_abt_##SUF(float* y, const void* pa, const void* pb, int ta) { \
   unsigned a[4], b[4]; \
-  fqla_ldsm4_t(pa, a); \
+  if (ta) fqla_ldsm4_t(pa, a); else fqla_ldsm4(pa, a); \
   fqla_ldsm4(pb, b); \
-  fqla_mma16_##SUF(xt, a, b); \
+  fqla_mma16_##SUF(y, a, b); \
 } \
 /* y += (block at pa, its block_rows address) X, X given by its transpose's accumulator xt */ \
 __device__ __forceinline__ void fqla_inv_y_##SUF(float* y, const void* pa, const float* xt) { \
   unsigned a[4], b[4]; \
   fqla_ldsm4(pa, a); \
   b[0] = PACK(xt[0], xt[1]); b[1] = PACK(xt[4], xt[5]); b[2] = PACK(xt[2], xt[3]); b[3] = PACK(xt[6], xt[7]); \
-  fqla_mma16_##SUF(y, a, b); \
-} \
-/* y += (block at pa, block_rows) (block at pb, block_cols)^T */ \
-__device__ __forceinline__ void fqla_inv_abt_##SUF(float* y, const void* pa, const void* pb) { \
-  unsigned a[4], b[4]; \
-  fqla_ldsm4(pa, a); \
-  fqla_ldsm4(pb, b); \
   fqla_mma16_##SUF(y, a, b); \
 } \
 /* the block at p (its block_rows address) = -y, rounded */ \

@@ -50,8 +50,8 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, y, tid, suffix, bar_
         zero8(xt)
         ra, ca = block_cols(lane, (r - 1) * B, (r - 1) * B)
         rb, cb = block_cols(lane, r * B, (r - 1) * B)
-        T.call_extern("handle", "fqla_inv_xt_" + suffix, xt.data, T.address_of(out[st, ra, ca]),
-                      T.address_of(gm_s[rb, cb]))
+        T.call_extern("handle", "fqla_inv_abt_" + suffix, xt.data, T.address_of(out[st, ra, ca]),
+                      T.address_of(gm_s[rb, cb]), 1)
         zero8(y)
         ra, ca = block_rows(lane, r * B, r * B)
         T.call_extern("handle", "fqla_inv_y_" + suffix, y.data, T.address_of(out[st, ra, ca]), xt.data)
@@ -68,8 +68,8 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, y, tid, suffix, bar_
         if m >= c3:
             ra, ca = block_cols(lane, m * B, c3 * B)
             rb, cb = block_cols(lane, r3 * B, m * B)
-            T.call_extern("handle", "fqla_inv_xt_" + suffix, xt.data, T.address_of(out[st, ra, ca]),
-                          T.address_of(gm_s[rb, cb]))
+            T.call_extern("handle", "fqla_inv_abt_" + suffix, xt.data, T.address_of(out[st, ra, ca]),
+                          T.address_of(gm_s[rb, cb]), 1)
     if r3 == 2:
         ra, ca = block_rows(lane, 0, (2 + c3) * B)
         T.call_extern("handle", "fqla_stsm_" + suffix, T.address_of(gm_s[ra, ca]), xt.data, 0)
@@ -81,7 +81,7 @@ def invert_gated(kd_s, gm_s, beta, bi, out, st, x, dot, xt, y, tid, suffix, bar_
         ra, ca = block_rows(lane, 3 * B, 2 * B)
         rb, cb = block_cols(lane, 0, (2 + c3) * B)
         T.call_extern("handle", "fqla_inv_abt_" + suffix, y.data, T.address_of(out[st, ra, ca]),
-                      T.address_of(gm_s[rb, cb]))
+                      T.address_of(gm_s[rb, cb]), 0)
     ra, ca = block_rows(lane, r3 * B, c3 * B)
     T.call_extern("handle", "fqla_inv_store_neg_" + suffix, T.address_of(out[st, ra, ca]), y.data)
     T.sync_threads(bar_id, 128)
