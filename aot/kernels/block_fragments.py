@@ -8,19 +8,9 @@ Per-lane addresses (lane l of a warp; a 16 x 16 block at row R, column C of a ro
                        storage), .trans as an A operand of its transpose
 """
 
-# after fragment_io.PRELUDE (its fqla_pack_* helpers). Accumulators: 8 floats, an m16n8 tile's c0..c3 then the next
-# tile's (columns + 8)
+# after fragment_io.PRELUDE (its fqla_pack_* and fqla_ldsm4* helpers). Accumulators: 8 floats, an m16n8 tile's c0..c3
+# then the next tile's (columns + 8)
 PRELUDE = r"""
-__device__ __forceinline__ void fqla_ldsm4(const void* p, unsigned* r) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
-}
-__device__ __forceinline__ void fqla_ldsm4_t(const void* p, unsigned* r) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
-}
 #define FQLA_INV(SUF, TY, PACK) \
 __device__ __forceinline__ void fqla_mma16_##SUF(float* d, const unsigned* a, const unsigned* b) { \
   _Pragma("unroll") for (int n = 0; n < 2; ++n) \

@@ -16,17 +16,11 @@ them whole):
                                    from the [token, column] tile v by ldmatrix .trans (p = &v[16 j + 8 (l / 16) + l % 8,
                                    16 w + 8 (l / 8 % 2)]), eg the chunk's per-token factors (64 floats, shared), kst
                                    the fp32 (K S)^T accumulator, wt the 16-bit W^T fragment it writes (same order)
-The addresses above, as block_address(lane, j, w, transposed) gives them to the kernels (row and column within the
-tile, before any offset of the tile's own).
+  fqla_ldsm4(p, r) / fqla_ldsm4_t(p, r)
+                                   one .x4 ldmatrix (.trans) into r[0..3] (block_fragments.py's block products too)
+The addresses above are block_fragments.py's: block_rows(l, 16 w, 16 j) for fqla_stsm_*, block_cols(l, 16 j, 16 w)
+for fqla_stsm_t_* and fqla_wt_* (row and column within the tile, before any offset of the tile's own).
 """
-
-
-def block_address(lane, j, w, transposed: bool):
-    """(row, column) of the tile whose address lane l gives for call j of warp w: fqla_stsm_* (transposed False), or
-    fqla_stsm_t_* / fqla_wt_* (True)."""
-    if transposed:
-        return 16 * j + lane // 16 * 8 + lane % 8, 16 * w + lane // 8 % 2 * 8
-    return 16 * w + lane // 8 % 2 * 8 + lane % 8, 16 * j + lane // 16 * 8
 
 
 PRELUDE = r"""// two floats as a 16-bit pair, the first at the lower address
@@ -57,22 +51,30 @@ __device__ __forceinline__ float fqla_fp16_lo(unsigned r) {
   return f;
 }
 __device__ __forceinline__ float fqla_fp16_hi(unsigned r) { return fqla_fp16_lo(r >> 16); }
+__device__ __forceinline__ void fqla_ldsm4(const void* p, unsigned* r) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void fqla_ldsm4_t(const void* p, unsigned* r) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
 // W^T = V^T - eg K S^T for blocks 2 j, 2 j + 1 of 8 columns: V^T's four 8 x 8 blocks by one ldmatrix .trans (rows
 // 8 j' + l % 8 of v_s, addressed per lane), eg for this thread's columns, kst / wt in the accumulator's order
 #define FQLA_WT(NAME, LO, HI, PACK) \
 __device__ __forceinline__ void NAME(void* p, const float* eg, const float* kst, void* wt, int j, int lane) { \
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p)); \
-  unsigned r0, r1, r2, r3; \
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];" \
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory"); \
+  unsigned r[4]; \
+  fqla_ldsm4_t(p, r); \
   const int c = 16 * j + 2 * (lane % 4); \
   const float e0 = eg[c], e1 = eg[c + 1], e2 = eg[c + 8], e3 = eg[c + 9]; \
   const float* k = kst + 8 * j; \
   unsigned* w = static_cast<unsigned*>(wt) + 4 * j; \
-  w[0] = PACK(LO(r0) - e0 * k[0], HI(r0) - e1 * k[1]); \
-  w[1] = PACK(LO(r1) - e0 * k[2], HI(r1) - e1 * k[3]); \
-  w[2] = PACK(LO(r2) - e2 * k[4], HI(r2) - e3 * k[5]); \
-  w[3] = PACK(LO(r3) - e2 * k[6], HI(r3) - e3 * k[7]); \
+  w[0] = PACK(LO(r[0]) - e0 * k[0], HI(r[0]) - e1 * k[1]); \
+  w[1] = PACK(LO(r[1]) - e0 * k[2], HI(r[1]) - e1 * k[3]); \
+  w[2] = PACK(LO(r[2]) - e2 * k[4], HI(r[2]) - e3 * k[5]); \
+  w[3] = PACK(LO(r[3]) - e2 * k[6], HI(r[3]) - e3 * k[7]); \
 }
 FQLA_WT(fqla_wt_bf16, fqla_bf16_lo, fqla_bf16_hi, fqla_pack_bf16)
 FQLA_WT(fqla_wt_fp16, fqla_fp16_lo, fqla_fp16_hi, fqla_pack_fp16)

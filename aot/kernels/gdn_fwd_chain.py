@@ -35,7 +35,8 @@ bound); fallback[n, h] (an output here) = 1 where it ran the whole sequence, who
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from .fragment_io import PRELUDE, block_address
+from .block_fragments import block_cols
+from .fragment_io import PRELUDE
 from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 from .producer_warp import register as single_warp_producer
 
@@ -247,7 +248,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                         wt[d, i] = T.cast(-eg_s[i] * kst[d, i], dt)
                 else:  # fragment_io.py's W^T step: V^T's 8 x 8 blocks by ldmatrix .trans
                     for jj in T.unroll(C // 16):
-                        row, col = block_address(ct % 32, jj, ct % 128 // 32, True)
+                        row, col = block_cols(ct % 32, 16 * jj, 16 * (ct % 128 // 32))
                         T.call_extern("handle", "fqla_wt_" + dtype, T.address_of(v_s[row, wg * 64 + col]),
                                       T.address_of(eg_s[0]), kst.data, wt.data, jj, ct % 32)
                 if output:
@@ -288,7 +289,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "out"):
                     # buffers, the barrier after this chunk's staging also orders the previous chunk's reads of
                     # the other buffer before the next chunk's writes to it
                     for jj in T.unroll(C // 16):  # fragment_io.py's transposed store: O's rows from O^T's blocks
-                        row, col = block_address(ct % 32, jj, ct % 128 // 32, True)
+                        row, col = block_cols(ct % 32, 16 * jj, 16 * (ct % 128 // 32))
                         T.call_extern("handle", "fqla_stsm_t_" + dtype, T.address_of(o_s[c % 2, row, wg * 64 + col]),
                                       qst.data, jj)
                     T.sync_threads(OUT_BARRIER + wg, 128)

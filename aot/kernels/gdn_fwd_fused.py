@@ -36,8 +36,8 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .chunk_inverse import SCRATCH_COLS, scratch_layout
-from .fragment_io import PRELUDE as FRAGMENT_PRELUDE, block_address
-from .block_fragments import PRELUDE as BLOCK_PRELUDE
+from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
+from .block_fragments import PRELUDE as BLOCK_PRELUDE, block_cols, block_rows
 from .inverse_mma import invert_gated, store_gated_kkt
 from .common import L2NORM_EPS
 from .gate_act import BETA_SIGMOID, GATE, beta_act, gate_decay, head_bias, neg_rate
@@ -336,7 +336,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         qk[i, j] = qk[i, j] * gate[i, j] * scale
                     # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen)
                     for jj in T.unroll(C // 16):
-                        row, col = block_address(tid % 32, jj, tid // 32, False)
+                        row, col = block_rows(tid % 32, 16 * (tid // 32), 16 * jj)
                         T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data, jj)
                     T.sync_threads(AUX_BARRIER, 128)  # gm_s, kk_s
                     # Agb = (Gamma * A) diag(beta) made block by block from G and the Agb blocks before it
@@ -413,7 +413,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         T.warpgroup_fence_operand(kst, num_regs=C // 2)
                         lane = ct % 32
                         for jj in T.unroll(C // 16):
-                            row, col = block_address(lane, jj, ct % 128 // 32, True)
+                            row, col = block_cols(lane, 16 * jj, 16 * (ct % 128 // 32))
                             T.call_extern("handle", "fqla_wt_" + dtype, T.address_of(v_s[s, row, wg * 64 + col]),
                                           T.address_of(eg_s[s, 0]), kst.data, wt.data, jj, lane)
                         T.wgmma_gemm(wt, agb_s[s, :, :], vnt, transpose_B=True, clear_accum=True,
@@ -447,7 +447,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                             T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
                         # O^T's blocks stored transposed: o_s's rows are O's (tokens)
                         for jj in T.unroll(C // 16):
-                            row, col = block_address(lane, jj, ct % 128 // 32, True)
+                            row, col = block_cols(lane, 16 * jj, 16 * (ct % 128 // 32))
                             T.call_extern("handle", "fqla_stsm_t_" + dtype, T.address_of(o_s[wg * C + row, col]),
                                           qst.data, jj)
                         T.fence_proxy_async()
