@@ -76,9 +76,9 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 # split plan moves with the chunk's fill by L2NORM_SHORT_FILL_US = (a, b): (a + b x fill) us per round of (sequence,
 # v-head) pairs over the SMs, below the multi-chunk fit at 16 tokens and above it at 64 (without it the planner took
 # prepare + chain at 1.44x the fused kernel's time on 128 sequences of 64 tokens at 4 v-heads)
-L2NORM_FUSED_FIT_US = {64: (2.844, 7.35)}
-L2NORM_STREAM_US = {64: (5.621, -0.221, 2.975, 2.756)}
-L2NORM_SHORT_FILL_US = (-4.042, 3.520)
+L2NORM_FUSED_FIT_US = {64: (2.510, 7.01)}
+L2NORM_STREAM_US = {64: (5.575, -0.263, 3.131, 2.403)}
+L2NORM_SHORT_FILL_US = (-3.929, 3.569)
 L2NORM_PREPARE_US = 3.71
 
 
@@ -132,11 +132,11 @@ def chain_skew(tokens: int, num_seqs: int, longest: Optional[int]) -> float:
 # rounds at 64). The host sees only token and sequence counts: lengths are taken equal, so a batch of unequal lengths
 # can be planned far from its best (two sequences of 28672 + 4096 tokens: 1.3x).
 # gdn_fwd_fused's per-chunk times (H100 sweep, bench/results/h100/plan_sweep*.jsonl, fitted by scripts/plan_fit.py):
-# 2.31 / 3.22 us at BV 64 / 128 with O leaving by TMA stores and W^T / P moved by ldmatrix / stmatrix (2.45 / 3.46
-# before those; 2.9 / 4.6 while the O store was lowered to scalar stores). Refitted with the streaming terms after a
-# K-first one-block state stopped being prefetched (its streamed items got cheaper: FUSED_STREAM_US[128]'s fill term
-# 1.61 -> 1.21 us; the plan took BV = 64 at 1.07x BV = 128 on TP8 64 x 64 and TP2 16 x 64 before it)
-FUSED_FIT_US = {64: (2.310, 7.46), 128: (3.217, 11.01)}       # gdn_fwd_fused: (per chunk, per chain)
+# 2.03 / 2.92 us at BV 64 / 128 with the gated inverse made from 16-bit tiles (2.31 / 3.22 with its fp32 scratch).
+# Every fit here is refitted when a kernel's time moves: fits left behind by a faster fused kernel priced it above
+# its time and planned it on fewer shapes than it was best on (473 of 496 sweep rows within 3% of their best plan
+# after the last refit, 427 before)
+FUSED_FIT_US = {64: (2.028, 7.22), 128: (2.921, 11.21)}       # gdn_fwd_fused: (per chunk, per chain)
 # gdn_fwd_fused runs at most FUSED_PERSISTENT_CTAS CTAs (aot/kernels/gdn_fwd_fused.PERSISTENT_CTAS); past that each
 # walks several (sequence, v-head, V block) items, the next item's inputs and state in flight while one runs. Then,
 # and for batches of one-chunk sequences below that count (H100 least squares over the batches past that count of
@@ -154,9 +154,9 @@ FUSED_ORDER_MAX = 128
 # tokens, e.g. TP8 64 x 8 0.0503 -> 0.0453 ms, TP1-397B 16 x 8 0.0904 -> 0.0803; 0.96-1.0x on 2048+ items of full
 # chunks, which keep 528). The prediction keeps the 528-CTA model: the cap only shortens a plan it already chose.
 FUSED_ONE_ROUND_ITEMS = 8
-FUSED_STREAM_US = {64: (5.367, 0.094, 2.103, 2.272), 128: (8.291, 1.209, 2.926, 3.220)}
+FUSED_STREAM_US = {64: (5.230, 0.192, 2.008, 2.003), 128: (8.146, 1.209, 2.712, 2.986)}
 # gdn_fwd_chain "out": (per chunk, per chain), the split plan's time beyond gdn_prepare's predicted part (plan_fit.py)
-CHAIN_FIT_US = {64: (1.231, 2.802), 128: (1.787, 3.822)}
+CHAIN_FIT_US = {64: (1.224, 2.762), 128: (1.782, 3.703)}
 # gdn_prepare: PREPARE_FIT_US[0] per CTA and [1] per CTA-head, over 4 CTAs per SM; [2] the launch's floor
 PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # intra-card CP beyond its gdn_prepare (pre-pass, combine, out chain over segments, pick), over cp_features: a
@@ -167,7 +167,7 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # Its first feature is the out chain's makespan in chunks (chain_makespan): a sequence's shorter last segment fills in
 # behind the full ones, which whole rounds of L counted as a round of its own (CP up to 25% over its time on unequal
 # lengths: 14336 + 2048 tokens at 32 v-heads planned at L = 32, 1.07x L = 64)
-CP_FIT_US = (2.282, -25.292, 29.134, 3.746, 0.722)
+CP_FIT_US = (2.291, -24.878, 28.920, 3.719, 0.696)
 
 
 class ForwardPlan(NamedTuple):
