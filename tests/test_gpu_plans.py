@@ -115,7 +115,7 @@ PINS = {"fused": lambda p: dict(use_fused=True, force_block_v=p.block_v, force_s
         "cp": lambda p: dict(force_segment_chunks=p.segment_chunks)}
 
 
-@pytest.mark.parametrize("lengths,hq,hv", [([7168, 1024], 16, 64), ([6144, 512, 512], 2, 8), ([7168, 1024], 16, 32)])
+@pytest.mark.parametrize("lengths,hq,hv", [([7168, 1024], 16, 64), ([6144, 512, 512], 2, 8), ([7168, 1024], 8, 32)])
 def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
     """With cu_seqlens_cpu the forward is planned from the longest sequence (planner.plan_forward): the call runs that
     plan (bit-identical to the call pinned to it) and the plan differs from the equal-length one where the model
