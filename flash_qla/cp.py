@@ -110,6 +110,19 @@ def _plan(tokens, num_seqs, num_v_heads, head_dim_k, head_dim_v, num_sms, blocks
     return best_l
 
 
+COMBINE_COLUMNS = (8, 16, 32)  # gdn_cp_combine's built V columns per CTA
+
+
+def combine_variant(K: int, V: int, num_v_heads: int, num_seqs: int, num_sms: int) -> dict:
+    """gdn_cp_combine's build: the fewest V columns per CTA whose grid still fits one CTA an SM. A step's products
+    scale with the columns while its M load does not, so narrow CTAs shorten the serial walk; more CTAs than SMs (at
+    K = 128 its two 64 KB M buffers leave room for one an SM) would queue a fallback walk behind another."""
+    for bvc in COMBINE_COLUMNS:
+        if bvc <= V and V // bvc * num_v_heads * num_seqs <= num_sms:
+            return {"K": K, "V": V, "BVC": bvc}
+    return {"K": K, "V": V, "BVC": min(COMBINE_COLUMNS[-1], V)}
+
+
 def max_segments(tokens: int, num_seqs: int, L: int) -> int:
     """An upper bound of sum over sequences of ceil(chunks_n / L), from sizes the host knows."""
     return (math.ceil(tokens / CHUNK) + num_seqs + L - 1) // L + num_seqs

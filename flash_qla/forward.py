@@ -448,7 +448,7 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     if before_combine is not None:
         before_combine()
     joined = beside_combine(m) if beside_combine is not None else None
-    launch("gdn_cp_combine", {"K": K, "V": V}, dev,
+    launch("gdn_cp_combine", cp.combine_variant(K, V, Hv, N, num_sms(dev)), dev,
             {"Hv": Hv, "N": N, "S": S, "use_h0": int(boundary is not None), "reverse": int(reverse), "zero_z": 0},
             {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
              "h0": (boundary if boundary is not None else out).data_ptr(), "h_in": out.data_ptr()}, stream)
@@ -502,7 +502,7 @@ class Link:
         self.b = empty(seg.count, Hv, K, K, device=dev, dtype=torch.float32)
         main, side = torch.cuda.current_stream(dev), side_stream(dev, "link")
         join(side, main)
-        launch("gdn_cp_combine", {"K": K, "V": K}, dev,
+        launch("gdn_cp_combine", cp.combine_variant(K, K, Hv, problem.num_seqs, num_sms(dev)), dev,
                {"Hv": Hv, "N": problem.num_seqs, "S": seg.count, "use_h0": 1, "reverse": 0, "zero_z": 1},
                {"m": m.data_ptr(), "fallback": fallback.data_ptr(), "seg_base": seg.base.data_ptr(),
                 "h0": self.eye.data_ptr(), "h_in": self.b.data_ptr()}, side.cuda_stream)

@@ -318,3 +318,23 @@ def test_linked_forward_algebra_matches_the_recurrence(lengths):
     assert len(finals) == len(lengths) * hv
     for n, h, state in finals:
         assert float((state - ht_ref[n, h]).norm() / ht_ref[n, h].norm()) < 1e-4, (n, h)
+
+
+@pytest.mark.parametrize("hv, n, v, want", [
+    (8, 1, 128, 8),     # 16 CTAs a head: 128 fit 132 SMs
+    (16, 1, 128, 16),   # 256 at 8 columns would queue; 128 at 16 fit
+    (32, 1, 128, 32),
+    (64, 1, 128, 32),   # nothing fits: the widest build, the fewest CTAs
+    (8, 2, 64, 8),      # V = 64: 8 CTAs a head
+    (4, 1, 64, 8),
+])
+def test_combine_picks_the_fewest_columns_whose_grid_fits_the_sms(hv, n, v, want):
+    variant = cp.combine_variant(128, v, hv, n, 132)
+    assert variant == {"K": 128, "V": v, "BVC": want}
+    assert v // want * hv * n <= 132 or want == max(cp.COMBINE_COLUMNS)
+
+
+def test_combine_columns_are_built():
+    """Every width the host may pick is a built variant of gdn_cp_combine."""
+    from aot.kernels import gdn_cp_combine
+    assert tuple(gdn_cp_combine.VARIANTS["BVC"]) == cp.COMBINE_COLUMNS
