@@ -39,6 +39,7 @@ find suite -name __pycache__ -prune -exec rm -rf {} +
 ignore=(--ignore=tests/test_packaging.py        # Dockerfile, ci/ files
         --ignore=tests/test_build_matrix.py     # build_matrix/ and aot/ (build-time only, never in the wheel)
         --ignore=tests/test_producer_warp.py    # aot/kernels/producer_warp.py, likewise
+        --ignore=tests/test_block_fragments.py  # aot/kernels/block_fragments.py, likewise
         # benchmarks/ and scripts/: the repository's benchmark and evidence tooling, not in the wheel
         --ignore=tests/test_bench_report.py --ignore=tests/test_merge_runs.py --ignore=tests/test_ncu_summary.py
         --ignore=tests/test_plan_fit.py --ignore=tests/test_short_batch_sweep.py --ignore=tests/test_cp_bench.py)

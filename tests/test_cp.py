@@ -336,5 +336,5 @@ def test_combine_picks_the_fewest_columns_whose_grid_fits_the_sms(hv, n, v, want
 
 def test_combine_columns_are_built():
     """Every width the host may pick is a built variant of gdn_cp_combine (its axes read without TileLang)."""
-    from build_matrix.variants import declared_axes
-    assert tuple(declared_axes("gdn_cp_combine")["BVC"]) == cp.COMBINE_COLUMNS
+    variants = pytest.importorskip("build_matrix.variants")  # the repository's build tooling, not in the wheel
+    assert tuple(variants.declared_axes("gdn_cp_combine")["BVC"]) == cp.COMBINE_COLUMNS
