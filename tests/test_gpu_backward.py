@@ -105,6 +105,17 @@ def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
     check(got_cp, got_plain, TOL / 2, f"CP vs plain recompute {tag}")
 
 
+def test_backward_cp_combines_walk_more_segments_than_a_flag_window(monkeypatch):
+    """One-chunk segments on a 131-chunk sequence: both combines (the recompute's forward walk and the dh chain's
+    reverse one) cross a window of 128 fallback flags; the gradients match the plain path's to rounding."""
+    x = draw([131 * 64 - 7, 200], 2, 4, 128, 128, torch.bfloat16, seed=31)
+    do, dht = cotangents(x, seed=6)
+    monkeypatch.setattr(settings, "force_segment_chunks", 1)
+    got_cp = grads(x, do, dht)
+    monkeypatch.setattr(settings, "force_segment_chunks", 0)
+    check(got_cp, grads(x, do, dht), TOL / 2, "CP with 131 segments vs plain")
+
+
 def test_backward_l2norm_dense_batch_and_scale():
     x = draw([300, 300], 2, 4, 128, 128, torch.bfloat16, seed=23)
     dense = {n: x[n].reshape(2, 300, *x[n].shape[2:]).detach().requires_grad_(True)

@@ -42,6 +42,21 @@ def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
             assert torch.equal(ht[6], x["initial_state"][6])
 
 
+@pytest.mark.parametrize("K, V", [(128, 128), (64, 64)])
+def test_cp_combine_walks_more_segments_than_a_flag_window(K, V, monkeypatch):
+    """One-chunk segments on sequences of 131 and 70 chunks: the combine reads the fallback flags a window of one
+    per thread at a time (128 at K = 128, 64 at K = 64 with 8 V columns a CTA), so its walk crosses windows, where
+    the next step's transition is not prefetched. The draw's g = 0 heads take the exact fallback at every step."""
+    monkeypatch.setattr(settings, "force_segment_chunks", 1)
+    x = draw([131 * 64 - 7, 70 * 64], 2, 4, K, V, torch.bfloat16, seed=K + 5)
+    assert cp.combine_variant(K, V, 4, 2, launch.num_sms(x["q"].device))["BVC"] == 8
+    o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
+    o_ref, ht_ref = fp64_reference(x)
+    assert reference.relative_l2(o, o_ref) <= TOL[torch.bfloat16], "o"
+    assert reference.relative_l2(ht, ht_ref) <= TOL[torch.bfloat16], "final_state"
+
+
 def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
     monkeypatch.setattr(settings, "force_segment_chunks", 2)
     x = draw(LENGTHS, 2, 6, 128, 128, torch.bfloat16, seed=3)
