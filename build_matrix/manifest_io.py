@@ -21,7 +21,7 @@ def load_manifest(path: Path = MANIFEST) -> Dict:
 def write_manifest(manifest: Dict, path: Path = MANIFEST) -> None:
     manifest["kernels"] = sorted(manifest["kernels"], key=lambda e: e["key"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    path.write_text(json.dumps(manifest, indent=0, separators=(",", ":")) + "\n")  # one key a line, no padding
 
 
 def write_cubin(name: str, cubin: bytes, directory: Path = KERNEL_DIR) -> int:

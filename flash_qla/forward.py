@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import cp, planner
+from . import cp, fused_cp, planner
 from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
 from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
@@ -167,6 +167,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     if L is not None and state_io.mode:
         raise ValueError("internal: the kernels read / write the caller's state layout and pool only without "
                          "intra-card CP (forward.native_state_io); the caller converts the states around a CP call")
+    if (plan is not None and plan.path == "cp_fused" and saved is None and link is None and window is None
+            and not want_gate_free_inverse and not g_is_cumsum and not state_io.mode):
+        o, ht = fused_cp.forward(problem, plan, tag, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state,
+                                 use_qk_l2norm, gate, stream)
+        return o, ht, None, (cu_seqlens, None)
     fused_bv = plan.block_v if plan is not None and plan.path == "fused" else None
     if fused_bv is not None:
         o, ht = _fused_forward(problem, qp, kp, vp, gp, bp, h0, cu_seqlens, output_final_state, use_qk_l2norm, tag,
@@ -300,17 +305,24 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
     (FlashQLA's auto_cp=False)."""
     K, V = problem.head_dim_k, problem.head_dim_v
     forced_l = settings.force_segment_chunks
-    if forced_l:
-        return ForwardPlan("cp", None, None, forced_l, 0.0)
     fused = (() if want_gate_free_inverse or settings.use_fused is False else
-             tuple(built_blocks(FUSED_KERNEL, None, tag, K, V, int(l2norm))))
+             tuple(built_blocks(FUSED_KERNEL, "out", tag, K, V, int(l2norm))))
+    cp_paths = {None: ("cp", "cp_fused"), True: ("cp_fused",), False: ("cp",)}[settings.cp_fused]
+    if forced_l:
+        if "cp_fused" in cp_paths and 64 in fused:
+            _, bv = planner.cp_fused_us(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads,
+                                        problem.num_qk_heads, K, V, num_sms(device), fused, forced_l, bool(l2norm),
+                                        longest)
+            return ForwardPlan("cp_fused", settings.force_block_v if settings.force_block_v in fused else bv, None,
+                               forced_l, 0.0)
+        return ForwardPlan("cp", None, None, forced_l, 0.0)
     chain = tuple(built_blocks(CHAIN_KERNEL, "out", tag, K, V))
     bv = settings.force_block_v if settings.force_block_v in fused + chain else None
     plan = plan_forward(problem.batch * problem.tokens, problem.num_seqs, problem.num_v_heads, problem.num_qk_heads,
                         V, num_sms(device), fused, chain, cp.SEGMENT_CHUNKS, bool(l2norm),
                         path="fused" if settings.use_fused and fused else None, block_v=bv,
                         heads_per_cta=settings.force_heads_per_cta, allow_cp=allow_cp and forced_l is None,
-                        longest=longest)
+                        longest=longest, head_dim_k=K, cp_paths=cp_paths)
     if unordered and plan.path == "fused" and problem.num_seqs <= planner.FUSED_ORDER_MAX:
         return plan._replace(longest_first=True)
     return plan
@@ -330,20 +342,33 @@ def _fused_forward(problem: Problem, q, k, v, g, beta, h0, cu, output_final_stat
     tuning pin's or FUSED_PERSISTENT_CTAS; longest_first: its order build, which walks the sequences longest first):
     (o [T, Hv, V], final state or an empty tensor)."""
     dev = q.device
-    T, Hv, K, V, N = (problem.batch * problem.tokens, problem.num_v_heads, problem.head_dim_k, problem.head_dim_v,
-                      problem.num_seqs)
+    Hv, V, N = problem.num_v_heads, problem.head_dim_v, problem.num_seqs
     o = empty(problem.batch, problem.tokens, Hv, V, device=dev, dtype=q.dtype, output="o")
     ht = final_states(problem, state_io, output_final_state, dev, o)
-    variant = {"dtype": tag, "K": K, "V": V, "l2norm": int(l2norm), "BV": bv, "order": int(longest_first)}
-    launch(FUSED_KERNEL, variant, dev,
-            {"T": T, "Hq": problem.num_qk_heads, "Hv": Hv, "N": N, "scale": problem.scale,
-             "use_h0": int(h0 is not None), "store_ht": int(ht.numel() > 0), "state_mode": state_io.mode,
-             "gate_mode": gate.mode, "max_ctas": settings.fused_ctas_max or ctas or FUSED_PERSISTENT_CTAS,
-             "h0_rows": h0.shape[0] if h0 is not None else N, "ht_rows": ht.shape[0] if ht.numel() else N},
-            {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
-             "h0": (h0 if h0 is not None else o).data_ptr(), "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(),
-             "ht": ht.data_ptr(), "state_idx": state_io.index_ptr(cu), **gate.pointers(g)}, stream)
+    sizes, pointers = fused_args(problem, q, k, v, g, beta, gate, cu, o)
+    launch(FUSED_KERNEL, fused_variant(problem, tag, bv, l2norm, "out", longest_first), dev,
+            dict(sizes, use_h0=int(h0 is not None), store_ht=int(ht.numel() > 0), state_mode=state_io.mode,
+                 max_ctas=settings.fused_ctas_max or ctas or FUSED_PERSISTENT_CTAS,
+                 h0_rows=h0.shape[0] if h0 is not None else N, ht_rows=ht.shape[0] if ht.numel() else N),
+            dict(pointers, h0=(h0 if h0 is not None else o).data_ptr(), ht=ht.data_ptr(),
+                 state_idx=state_io.index_ptr(cu)), stream)
     return o, ht
+
+
+def fused_variant(problem: Problem, tag: str, bv: int, l2norm: bool, mode: str, longest_first: bool = False) -> dict:
+    """gdn_fwd_fused's variant: the forward ("out") or intra-card CP's pre-pass builds ("state", "trans": V = K)."""
+    V = problem.head_dim_k if mode == "trans" else problem.head_dim_v
+    return {"dtype": tag, "K": problem.head_dim_k, "V": V, "BV": bv, "l2norm": int(l2norm),
+            "order": int(longest_first), "mode": mode}
+
+
+def fused_args(problem: Problem, q, k, v, g, beta, gate: KernelGate, cu, o) -> Tuple[dict, dict]:
+    """The sizes and pointers every gdn_fwd_fused launch shares (the callers add the state I/O and the grid cap)."""
+    sizes = {"T": problem.batch * problem.tokens, "Hq": problem.num_qk_heads, "Hv": problem.num_v_heads,
+             "N": problem.num_seqs, "scale": problem.scale, "gate_mode": gate.mode}
+    pointers = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
+                "cu_seqlens": cu.data_ptr(), "o": o.data_ptr(), **gate.pointers(g)}
+    return sizes, pointers
 
 
 def final_states(problem: Problem, state_io: StateIO, output_final_state: bool, device, o) -> torch.Tensor:
@@ -415,7 +440,7 @@ def _cp_entry_states(problem: Problem, L: int, tag: str, sizes: dict, pointers: 
 def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Segments", fallback, sizes: dict,
                             pre: dict, out_key: str, boundary: Optional[torch.Tensor], reverse: bool, stream,
                             keep=(), side_name: str = "side", before_combine=None,
-                            beside_combine=None) -> torch.Tensor:
+                            beside_combine=None, variant_axes: Optional[dict] = None) -> torch.Tensor:
     """The CP pre-pass of a chain kernel (gdn_fwd_chain for the forward, gdn_bwd_dh for the backward: its "state"
     build over every (segment, head) warm-up and its "trans" build for the fallback heads, on a side stream) and
     gdn_cp_combine (reverse: last segment first). pre: the kernel's pointers with the segment tables; out_key: the
@@ -425,7 +450,8 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     before_combine: called right before the combine, the first launch that reads the boundary (which work it queues
     on another stream may still write, the current stream waiting for it). beside_combine(m): called there too, to
     queue work that reads the transitions on another stream beside the combine; it returns the join of the current
-    stream on that work, made after the combine's launch (or None)."""
+    stream on that work, made after the combine's launch (or None). variant_axes: the kernel's other variant axes
+    (gdn_fwd_fused's l2norm and order)."""
     dev = seg.cu.device
     Hv, K, V, N, S = problem.num_v_heads, problem.head_dim_k, problem.head_dim_v, problem.num_seqs, seg.count
     # the warm-up chains write Z straight into the result; gdn_cp_combine then fixes up only the boundary and the
@@ -438,9 +464,10 @@ def cp_pre_pass_and_combine(kernel: str, problem: Problem, tag: str, seg: "cp.Se
     # (fork / join by events, so a CUDA graph captures them as parallel branches)
     main, side = torch.cuda.current_stream(dev), side_stream(dev, side_name)
     join(side, main)
-    launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state"}, dev, seg_sizes,
+    axes = variant_axes or {}
+    launch(kernel, {"dtype": tag, "K": K, "V": V, "BV": 64, "mode": "state", **axes}, dev, seg_sizes,
             dict(pre, **{out_key: out.data_ptr()}), stream)
-    launch(kernel, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans"}, dev, seg_sizes,
+    launch(kernel, {"dtype": tag, "K": K, "V": K, "BV": 64, "mode": "trans", **axes}, dev, seg_sizes,
             dict(pre, **{out_key: m.data_ptr()}), side.cuda_stream)
     join(main, side)
     for buf in (m, fallback, seg.cu, seg.slot, *keep):

@@ -166,12 +166,25 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # (2B-TP1, every L), and chose CP for 2B-TP1 1x2048 at 1.16x the best plan
 # Its first feature is the out chain's makespan in chunks (chain_makespan): a sequence's shorter last segment fills in
 # behind the full ones, which whole rounds of L counted as a round of its own (CP up to 25% over its time on unequal
-# lengths: 14336 + 2048 tokens at 32 v-heads planned at L = 32, 1.07x L = 64)
-CP_FIT_US = (2.291, -24.878, 28.920, 3.719, 0.696)
+# lengths: 14336 + 2048 tokens at 32 v-heads planned at L = 32, 1.07x L = 64). The q / k megabytes gdn_prepare reads
+# (the sixth): the grid's GVA ratios 2 and 4 left CP at 14% under its time at ratio 1 (2B-TP1 1x32768), where CP on
+# the fused kernel, 17% faster, then lost the choice
+CP_FIT_US = (2.286, -5.009, 17.174, 1.990, -0.432, 0.559)
+# intra-card CP on the fused kernel (flash_qla/fused_cp.py) beyond its out pass (the fused kernel's own model on the
+# segments as sequences), over cp_fused_parts' features: (fixed: gdn_plan, gdn_cp_scan's and gdn_cp_plan's latency,
+# the launches; per chunk of a fallback head's state / transition chain over a whole segment; per chunk of the
+# pre-pass spread over the SMs; per serial combine step; per MB of k gdn_cp_scan reads; per round of (segment, v-head)
+# pairs over the SMs: each item's ramp in the pre-pass and the out pass). A least-squares fit (scripts/plan_fit.py)
+CP_FUSED_US = (28.406, 1.305, 2.865, 1.171, 0.486, 20.225)
+# the share of (segment, v-head) pairs whose decay leaves them to the exact transition, as the fit's inputs have it (a
+# quarter of the heads never decay: the benchmark's distribution)
+CP_FUSED_FALLBACK = 0.25
+WARMUP_CHUNKS = 4  # a decaying head's warm-up (the benchmark's g: -3.2 a chunk, to the -10 bound)
 
 
 class ForwardPlan(NamedTuple):
-    path: str                        # "fused", "split" (gdn_prepare + gdn_fwd_chain) or "cp"
+    path: str                        # "fused", "split" (gdn_prepare + gdn_fwd_chain), "cp" (on the split kernels) or
+                                     # "cp_fused" (on gdn_fwd_fused, block_v its out pass's)
     block_v: Optional[int]           # the V block of the fused or split chain (CP: planned per segment count)
     heads_per_cta: Optional[int]     # gdn_prepare's (split)
     segment_chunks: Optional[int]    # CP's L
@@ -246,10 +259,54 @@ def length_groups(tokens: int, num_seqs: int, longest: Optional[int] = None) -> 
     return (longest_chunks, 1), (math.ceil(rest), num_seqs - 1)
 
 
+def fused_out_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, bv: int, l2norm: bool,
+                 lengths: Dict[int, int]) -> float:
+    """gdn_fwd_fused's time at V block bv over sequences of the given lengths (chunks -> sequences): rounds of one
+    item an SM (the longest first, the shorter filling in behind), or the streaming model past its CTA cap."""
+    c, f = _fit(L2NORM_FUSED_FIT_US if l2norm else FUSED_FIT_US, bv)
+    blocks = num_v_heads * (head_dim_v // bv)
+    items = sum(lengths.values()) * blocks
+    if items > FUSED_PERSISTENT_CTAS:
+        return max(max(lengths) * c + f, _fused_stream_us(tokens, sum(lengths.values()), items, bv, num_sms, l2norm))
+    return chain_makespan({n * c + f: count * blocks for n, count in lengths.items()}, num_sms)
+
+
+def cp_fused_us(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_k: int, head_dim_v: int,
+                num_sms: int, fused_blocks: tuple, L: int, l2norm: bool, longest: Optional[int] = None) -> tuple:
+    """(predicted us, the out pass's V block) of intra-card CP on the fused kernel at segments of L chunks."""
+    out, bv, features = cp_fused_parts(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_k, head_dim_v, num_sms,
+                                       fused_blocks, L, l2norm, longest)
+    return out + sum(a * x for a, x in zip(CP_FUSED_US, features)), bv
+
+
+def cp_fused_parts(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_k: int, head_dim_v: int,
+                   num_sms: int, fused_blocks: tuple, L: int, l2norm: bool, longest: Optional[int] = None) -> tuple:
+    """(the out pass's predicted us, its V block, CP_FUSED_US's features) of intra-card CP on the fused kernel at
+    segments of L chunks."""
+    lengths: Dict[int, int] = {}  # segment chunks -> segments
+    groups = length_groups(tokens, num_seqs, longest)
+    for seq_chunks, seqs in groups:
+        if seqs <= 0:
+            continue
+        full, part = divmod(seq_chunks, L)
+        lengths[L] = lengths.get(L, 0) + full * seqs
+        if part:
+            lengths[part] = lengths.get(part, 0) + seqs
+    segments = sum(lengths.values())
+    out, bv = min((fused_out_us(tokens, segments, num_v_heads, head_dim_v, num_sms, b, l2norm, lengths), b)
+                  for b in sorted(fused_blocks, reverse=True))
+    later = (segments - num_seqs) * num_v_heads  # (segment, v-head) pairs with a pre-pass
+    chunks = later * (CP_FUSED_FALLBACK * L * 2 + (1 - CP_FUSED_FALLBACK) * min(L, WARMUP_CHUNKS))
+    k_mb = tokens * num_qk_heads * head_dim_k * 2 / 1e6
+    return out, bv, (1.0, L if later else 0, chunks / num_sms, math.ceil(groups[0][0] / L), k_mb,
+                     segments * num_v_heads / num_sms)
+
+
 def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
-                chain_blocks: tuple, L: int, longest: Optional[int] = None) -> tuple:
+                chain_blocks: tuple, L: int, longest: Optional[int] = None, head_dim_k: Optional[int] = None) -> tuple:
     """CP_FIT_US's features of intra-card CP at segments of L chunks: (the out chain's makespan in chunks, out-chain
-    rounds, pre-pass rounds, the longest sequence's segments, the makespan x q/k heads / v-heads). With a known
+    rounds, pre-pass rounds, the longest sequence's segments, the makespan x q/k heads / v-heads, MB of q and k
+    gdn_prepare reads: head_dim_k None is head_dim_v). With a known
     longest sequence, it and the rest's mean give the segments and their lengths (the count an upper bound)."""
     groups = length_groups(tokens, num_seqs, longest)
     segments = sum(math.ceil(seq_chunks / L) * seqs for seq_chunks, seqs in groups)
@@ -266,7 +323,8 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
         if part:
             lengths[part] = lengths.get(part, 0) + seqs * per_segment
     span = chain_makespan(lengths, num_sms)
-    return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads)
+    qk_mb = tokens * num_qk_heads * (head_dim_k or head_dim_v) * 4 / 1e6
+    return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads, qk_mb)
 
 
 def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
@@ -292,13 +350,15 @@ def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
 def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
                  fused_blocks: tuple, chain_blocks: tuple, segment_chunks: tuple, l2norm: bool = False,
                  path: Optional[str] = None, block_v: Optional[int] = None, heads_per_cta: Optional[int] = None,
-                 allow_cp: bool = True, longest: Optional[int] = None) -> ForwardPlan:
+                 allow_cp: bool = True, longest: Optional[int] = None, head_dim_k: Optional[int] = None,
+                 cp_paths: tuple = ("cp", "cp_fused")) -> ForwardPlan:
     """The fastest predicted plan of a plain forward among the built variants, from what the host knows: token and
     sequence counts, and ``longest`` (the longest sequence's tokens) when the caller gave the lengths on the host
     (cu_seqlens_cpu); without it lengths are taken equal. A chain kernel then takes the makespan of the longest
     sequence's chains dispatched first (one sequence's v-heads and V blocks can outnumber the SMs) and the other
     sequences' chains, at their mean length, filling in behind them (chain_makespan). path / block_v /
-    heads_per_cta narrow the choice (tuning pins); allow_cp False leaves intra-card CP out."""
+    heads_per_cta narrow the choice (tuning pins); allow_cp False leaves intra-card CP out, cp_paths names the CP
+    flavours considered (head_dim_k: None is head_dim_v)."""
     chunks = max(1, math.ceil(tokens / 64 / max(1, num_seqs)))  # the mean sequence's
     longest_chunks = max(chunks, math.ceil(longest / 64)) if longest else chunks
 
@@ -338,15 +398,24 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
                     t += sum(a * x for a, x in zip(L2NORM_SHORT_FILL_US,
                                                    short_fill_features(tokens, num_seqs, num_v_heads, num_sms)))
                 plans.append(ForwardPlan("split", bv, hpc, None, t))
-    if allow_cp and path in (None, "cp"):
+    if allow_cp and path in (None, "cp") and "cp" in cp_paths:
         prepare = cp_prepare_us(tokens, num_seqs, num_v_heads, num_qk_heads, num_sms, l2norm)
         for L in segment_chunks:
             if 2 * L > longest_chunks:  # the longest sequence needs two segments at least
                 continue
             features = cp_features(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_v, num_sms, chain_blocks, L,
-                                   longest)
+                                   longest, head_dim_k)
             t = prepare + sum(a * b for a, b in zip(CP_FIT_US, features))
             plans.append(ForwardPlan("cp", None, None, L, t))
+    # its pre-pass builds are at V block 64
+    if allow_cp and path in (None, "cp_fused") and "cp_fused" in cp_paths and 64 in fused_blocks:
+        for L in segment_chunks:
+            if 2 * L > longest_chunks:
+                continue
+            t, bv = cp_fused_us(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_k or head_dim_v, head_dim_v,
+                                num_sms,
+                                fused_blocks, L, l2norm, longest)
+            plans.append(ForwardPlan("cp_fused", bv, None, L, t))
     if not plans:
         raise ValueError(f"no forward plan fits path={path!r}, block_v={block_v!r}, heads_per_cta={heads_per_cta!r} "
                          f"(built fused blocks {fused_blocks}, chain blocks {chain_blocks})")

@@ -29,6 +29,9 @@ class Tuning:
     # Intra-card CP segment length in chunks; 0 never takes CP; None: planned (the forward: planner.plan_forward; the
     # backward's recompute: cp.plan_segment_chunks).
     force_segment_chunks: Optional[int] = None
+    # The forward's intra-card CP flavour: True on gdn_fwd_fused (flash_qla/fused_cp.py), False on gdn_prepare +
+    # gdn_fwd_chain; None: planned (a forced segment length takes the fused flavour where it is built).
+    cp_fused: Optional[bool] = None
     # Fill every output and workspace with NaN (integer tables: their most negative value) before the launches,
     # so an element a kernel fails to write shows.
     poison_outputs: bool = False

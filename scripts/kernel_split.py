@@ -3,10 +3,13 @@
 torch.profiler over repeated calls gives each kernel's mean time per call, so a row's time splits into its
 kernels (which kernel bounds it, and against which kernel of a peer).
 usage: python scripts/kernel_split.py {ours|qla|fla} ROW [ROW ...] [--pass fwd|bwd] [--peers-dir .peers]
-ROW: a substring of the row key ("TP1-397B|4096x8"). A peer needs the staged peers folder (see scripts/README.md)
+                                     [--tune NAME=VALUE ...]
+ROW: a substring of the row key ("TP1-397B|4096x8"). --tune pins flash_qla.tuning settings for ours (a plan to split:
+force_segment_chunks=64 cp_fused=0; values are ints, 0 / 1 for the booleans, or none). A peer needs the staged peers folder (see scripts/README.md)
 and must run in its environment: its input maker and calls come from that folder's peer_bench.py.
 """
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -27,14 +30,18 @@ def split(fn, iters: int = 10) -> dict:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    per, launches = defaultdict(float), 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:60]] += ev.device_time / 1000.0 / iters
-            launches += 1
+    per = defaultdict(float)
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    for ev in kernels:
+        per[ev.name[:60]] += ev.device_time / 1000.0 / iters
     out = {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
     out["total_ms"] = round(sum(per.values()), 4)
-    out["launches_per_call"] = launches / iters
+    out["launches_per_call"] = len(kernels) / iters
+    if len(kernels) % iters == 0:  # every call launches the same sequence: each launch's mean, in launch order
+        n = len(kernels) // iters
+        out["in_order"] = [[kernels[i].name[:40], round(sum(kernels[c * n + i].device_time for c in range(iters))
+                                                        / 1000.0 / iters, 4)] for i in range(n)]
     return out
 
 
@@ -75,11 +82,21 @@ def main() -> None:
     p.add_argument("rows", nargs="+")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--peers-dir", default=".peers")
+    p.add_argument("--tune", nargs="*", default=[], metavar="NAME=VALUE")
     args = p.parse_args()
+    from flash_qla.tuning import Tuning, override
+    kinds = {f.name: f.type for f in dataclasses.fields(Tuning)}
+    pins = {}
+    for item in args.tune:
+        name, _, value = item.partition("=")
+        if name not in kinds:
+            p.error(f"--tune: flash_qla.tuning has no setting {name!r}")
+        pins[name] = None if value == "none" else bool(int(value)) if "bool" in str(kinds[name]) else int(value)
     calls = (ours_calls(args.pass_, args.rows) if args.lib == "ours"
              else peer_calls(args.lib, args.peers_dir, args.pass_, args.rows))
-    for row, call in calls:
-        print(json.dumps({"lib": args.lib, "row": row.key, **split(call)}), flush=True)
+    with override(**pins):
+        for row, call in calls:
+            print(json.dumps({"lib": args.lib, "row": row.key, **pins, **split(call)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from flash_qla.planner import (CHAIN_FIT_US, CP_FIT_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS, FUSED_STREAM_US,
-                               L2NORM_FUSED_FIT_US, L2NORM_PREPARE_US, L2NORM_SHORT_FILL_US, L2NORM_STREAM_US,
-                               PREPARE_FIT_US, ForwardPlan, cp_features, cp_prepare_us, plan_forward,
+from flash_qla.planner import (CHAIN_FIT_US, CP_FIT_US, CP_FUSED_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS,
+                               FUSED_STREAM_US, L2NORM_FUSED_FIT_US, L2NORM_PREPARE_US, L2NORM_SHORT_FILL_US, L2NORM_STREAM_US,
+                               PREPARE_FIT_US, ForwardPlan, cp_features, cp_fused_parts, cp_prepare_us, plan_forward,
                                prepare_features, short_fill_features)
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
@@ -93,8 +93,25 @@ def cp_samples(rows: list, sms: int) -> list:
             if not name.startswith("cp_L") or ms is None:
                 continue
             L = int(name[4:])
-            features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, chain_blocks, L)
+            features = cp_features(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, chain_blocks, L, None, 128)
             out.append((*features, prepare, ms * 1000.0))
+    return out
+
+
+def cp_fused_samples(rows: list, sms: int) -> list:
+    """(cp_fused_parts' features..., its out pass's predicted time, the timed total) of every timed CP-on-the-fused-
+    kernel candidate (cpf_L*) of an equal-length row."""
+    out = []
+    for r in rows:
+        if not r["equal_lengths"] or r["set"] == "short":
+            continue
+        fused = built(r["l2norm"])[0]
+        for name, ms in r["candidates"].items():
+            if not name.startswith("cpf_L") or ms is None:
+                continue
+            predicted, _, features = cp_fused_parts(r["tokens"], r["seqs"], r["hv"], r["hq"], 128, HEAD_DIM_V, sms,
+                                                    fused, int(name[5:]), r["l2norm"])
+            out.append((*features, predicted, ms * 1000.0))
     return out
 
 
@@ -149,6 +166,8 @@ def candidate_name(plan: ForwardPlan) -> str:
         return f"fused_bv{plan.block_v}"
     if plan.path == "split":
         return f"split_bv{plan.block_v}_hpc{plan.heads_per_cta}"
+    if plan.path == "cp_fused":
+        return f"cpf_L{plan.segment_chunks}"
     return f"cp_L{plan.segment_chunks}"
 
 
@@ -180,7 +199,7 @@ def check(rows: list, sms: int, host_lengths: bool, blocks, lengths: dict) -> li
 
 def built(l2norm: bool) -> tuple:
     from flash_qla.launch import CHAIN_KERNEL, FUSED_KERNEL, built_blocks
-    return (tuple(built_blocks(FUSED_KERNEL, None, "bf16", 128, HEAD_DIM_V, int(l2norm))),
+    return (tuple(built_blocks(FUSED_KERNEL, "out", "bf16", 128, HEAD_DIM_V, int(l2norm))),
             tuple(built_blocks(CHAIN_KERNEL, "out", "bf16", 128, HEAD_DIM_V)))
 
 
@@ -234,6 +253,11 @@ def main() -> None:
         coef, worst = fit(samples, known=True)
         print(f"CP_FIT_US = ({', '.join(f'{c:.3f}' for c in coef)}) over {len(samples)} CP candidates "
               f"(worst error {worst:.1%}); planner now {CP_FIT_US}")
+    samples = cp_fused_samples(rows, args.sms)
+    if len(samples) > len(CP_FUSED_US):
+        coef, worst = fit(samples, known=True)
+        print(f"CP_FUSED_US = ({', '.join(f'{c:.3f}' for c in coef)}) over {len(samples)} fused CP candidates "
+              f"(worst error {worst:.1%}); planner now {CP_FUSED_US}")
 
 
 if __name__ == "__main__":

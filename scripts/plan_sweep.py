@@ -6,6 +6,7 @@ benchmark matrix's forward rows; mixes: unequal lengths outside the fit), the fo
   fused  gdn_fwd_fused at V block 64 / 128 (no CP)
   split  gdn_prepare + gdn_fwd_chain at V block 64 / 128, each gdn_prepare heads-per-CTA the GVA ratio allows (no CP)
   cp     intra-card CP at each segment length the shape admits (the planner's V block and heads per CTA)
+  cpf    intra-card CP on the fused kernel (flash_qla/fused_cp.py) at each of those lengths
 and under the planner's own choice ("planned"). A row reports the best candidate and planned / best.
 --pass bwd sweeps the backward's plans instead (the low-level backward the benchmark times, after its forward):
   bwd    the recompute and dh chains at V block 32 / 64 (force_block_v), each without CP and at each segment length
@@ -121,7 +122,7 @@ def shapes(which: str, pass_: str = "fwd"):
 
 def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
     ratio = hv // hq
-    fused = built_blocks(FUSED_KERNEL, None, "bf16", 128, 128, int(l2norm))
+    fused = built_blocks(FUSED_KERNEL, "out", "bf16", 128, 128, int(l2norm))
     out = {f"fused_bv{bv}": dict(use_fused=True, force_block_v=bv, force_segment_chunks=0) for bv in fused}
     for bv in built_blocks(CHAIN_KERNEL, "out", "bf16", 128, 128):
         for hpc in (d for d in range(1, PREPARE_MAX_HEADS + 1) if ratio % d == 0):
@@ -130,7 +131,9 @@ def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
     longest_chunks = -(-max(seqlens) // 64)
     for L in cp.SEGMENT_CHUNKS:
         if 2 * L <= longest_chunks:  # a sequence of at least two segments
-            out[f"cp_L{L}"] = dict(force_segment_chunks=L)
+            out[f"cp_L{L}"] = dict(force_segment_chunks=L, cp_fused=False)
+            if 64 in fused:  # CP on the fused kernel (its pre-pass builds are at V block 64)
+                out[f"cpf_L{L}"] = dict(force_segment_chunks=L, cp_fused=True)
     return out
 
 

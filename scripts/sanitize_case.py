@@ -129,6 +129,14 @@ with torch.no_grad():
     g0[..., 1] = 0.0
     o_cp, ht_cp = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g0, beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
+    # the forward's CP on the split kernels too (the call above runs it on the fused kernel: gdn_cp_scan, the fused
+    # state / trans builds, the fused output pass over the segments), and the fused flavour with l2norm
+    with tuning.override(cp_fused=False):
+        o_cps, _ = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g0, beta.detach(),
+                                                    initial_state=h0.detach(), output_final_state=True,
+                                                    cu_seqlens=cu)
+    o_cpn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g0, beta.detach(),
+                                                cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 # and the CP backward (recompute with CP, then the dh chain's reverse warm-ups, transitions and combine)
 g0 = g0.requires_grad_(True)
 o_cp2, ht_cp2 = flash_qla.chunk_gated_delta_rule(q, k, v, g0, beta, initial_state=h0, output_final_state=True,
@@ -173,7 +181,8 @@ print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), flo
       float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
 print("gate case", [float(d.float().abs().sum()) for d in grads_g])
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])
-print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()),
+print("cp case", float(o_cp.float().abs().sum()), float(ht_cp.abs().sum()), float(o_cps.float().abs().sum()),
+      float(o_cpn.float().abs().sum()),
       [float(d.float().abs().sum()) for d in grads_cp])
 print("sanitize case ok", float(o.detach().float().abs().sum()), float(ht.detach().abs().sum()),
       [float(d.float().abs().sum()) for d in grads])

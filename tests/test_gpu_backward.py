@@ -96,9 +96,9 @@ def test_backward_with_intra_card_cp_in_the_recompute(tag, monkeypatch):
     monkeypatch.setattr(fwd, "cp_pre_pass_and_combine",
                         lambda kernel, *a, **kw: passes.append(kernel) or real(kernel, *a, **kw))
     got_cp = grads(x, do, dht)
-    # the forward's; then the backward's reverse pre-pass, launched as soon as the recompute's tables are, before the
-    # recompute's own
-    assert passes == ["gdn_fwd_chain", "gdn_bwd_dh", "gdn_fwd_chain"]
+    # the forward's (CP on the fused kernel); then the backward's reverse pre-pass, launched as soon as the recompute's
+    # tables are, before the recompute's own (on the split kernels: the recompute keeps their intermediates)
+    assert passes == ["gdn_fwd_fused", "gdn_bwd_dh", "gdn_fwd_chain"]
     check(got_cp, want, TOL, f"CP recompute {tag}")
     monkeypatch.setattr(settings, "force_segment_chunks", 0)
     got_plain = grads(x, do, dht)

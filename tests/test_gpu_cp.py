@@ -20,6 +20,13 @@ def poison(monkeypatch):
     monkeypatch.setattr(settings, "poison_outputs", True)
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "split"])
+def flavour(request, monkeypatch):
+    """The forward's CP on gdn_fwd_fused (flash_qla/fused_cp.py) or on gdn_prepare + gdn_fwd_chain."""
+    monkeypatch.setattr(settings, "cp_fused", request.param)
+    return request.param
+
+
 def cp_variants():
     return sorted({(v["dtype"], v["K"], v["V"]) for v in flash_qla.loader.library().variants(launch.CHAIN_KERNEL)
                    if v["mode"] == "state"})
@@ -27,7 +34,7 @@ def cp_variants():
 
 @pytest.mark.parametrize("L", [1, 3])
 @pytest.mark.parametrize("variant", cp_variants())
-def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
+def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch, flavour):
     tag, K, V = variant
     monkeypatch.setattr(settings, "force_segment_chunks", L)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
@@ -42,8 +49,27 @@ def test_cp_forward_matches_fp64_reference(variant, L, monkeypatch):
             assert torch.equal(ht[6], x["initial_state"][6])
 
 
+@pytest.mark.parametrize("K, V", [(128, 128), (64, 128)])
+def test_cp_forward_with_l2norm_matches_fp64_reference(K, V, monkeypatch, flavour):
+    """use_qk_l2norm_in_kernel under CP: unnormalised q / k rows (norms 0.5-3), whose norms the pre-pass builds and
+    gdn_cp_scan's bound (the normalised row's |k|^2) take from the raw rows."""
+    monkeypatch.setattr(settings, "force_segment_chunks", 2)
+    x = draw(LENGTHS, 2, 6, K, V, torch.bfloat16, seed=K + V + 17)
+    gen = torch.Generator(device="cuda").manual_seed(K + V)
+    for name in ("q", "k"):
+        scale = 0.5 + 2.5 * torch.rand(*x[name].shape[:3], 1, device="cuda", generator=gen)
+        x[name] = (x[name].float() * scale).bfloat16()
+    o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten (NaN-poisoned) or non-finite output"
+    d = {n: (t.double() if t is not None else None) for n, t in x.items() if n != "cu_seqlens"}
+    o_ref, ht_ref = reference.chunked_gated_delta_rule(**d, output_final_state=True, cu_seqlens=x["cu_seqlens"].cpu(),
+                                                       use_qk_l2norm_in_kernel=True)
+    assert reference.relative_l2(o, o_ref) <= TOL[torch.bfloat16], "o"
+    assert reference.relative_l2(ht, ht_ref) <= TOL[torch.bfloat16], "final_state"
+
+
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 64)])
-def test_cp_combine_walks_more_segments_than_a_flag_window(K, V, monkeypatch):
+def test_cp_combine_walks_more_segments_than_a_flag_window(K, V, monkeypatch, flavour):
     """One-chunk segments on sequences of 131 and 70 chunks: the combine reads the fallback flags a window of one
     per thread at a time (128 at K = 128, 64 at K = 64 with 8 V columns a CTA), so its walk crosses windows, where
     the next step's transition is not prefetched. The draw's g = 0 heads take the exact fallback at every step."""
@@ -57,7 +83,7 @@ def test_cp_combine_walks_more_segments_than_a_flag_window(K, V, monkeypatch):
     assert reference.relative_l2(ht, ht_ref) <= TOL[torch.bfloat16], "final_state"
 
 
-def test_cp_hundred_repeats_are_bit_identical(monkeypatch):
+def test_cp_hundred_repeats_are_bit_identical(monkeypatch, flavour):
     monkeypatch.setattr(settings, "force_segment_chunks", 2)
     x = draw(LENGTHS, 2, 6, 128, 128, torch.bfloat16, seed=3)
     o0, ht0 = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
@@ -110,7 +136,7 @@ def test_planned_cp_on_a_benchmark_shape_eager_and_under_graph_capture(monkeypat
 @pytest.mark.parametrize("L, lengths", [(1, LENGTHS), (2, LENGTHS), (5, LENGTHS), (1, LENGTHS + [5000]),
                                         (3, LENGTHS + [640])], ids=["L1", "L2", "L5", "L1-many-ctas", "L3-trail"])
 @pytest.mark.parametrize("unit_keys", [True, False])
-def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
+def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch, flavour):
     """gdn_cp_plan (one launch) against cp.segment_tables + cp.warmup_tables (+ cp.reverse_warmup_tables for the
     backward's launch) on gdn_prepare's real outputs:
     varlen with empty and 1-token sequences, g = 0 heads (fallback), strong decay, keys that void the bound; the
@@ -132,6 +158,18 @@ def test_plan_kernel_matches_torch_tables(L, lengths, unit_keys, monkeypatch):
     flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
     seg, start, fallback, _ = captured["out"]
     t = captured["t"]
+    if flavour:  # gdn_cp_scan's bounds against gdn_prepare's (the split flavour's) on every chunk of the batch
+        split = {}
+        monkeypatch.setattr(fwd, "_cp_tables", lambda p, L_, TC, t_, st, *a, **kw: (split.update(t=t_),
+                                                                                      real(p, L_, TC, t_, st, *a,
+                                                                                           **kw))[1])
+        monkeypatch.setattr(settings, "cp_fused", False)
+        flash_qla.chunk_gated_delta_rule(**x, output_final_state=True)
+        chunks = int(t["offsets"][-1])
+        want = split["t"]
+        torch.testing.assert_close(t["gam_t"][:, 63:chunks * 64:64], want["gam_t"][:, 63:chunks * 64:64],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(t["bkk_max"][:, :chunks], want["bkk_max"][:, :chunks], rtol=1e-4, atol=1e-6)
     # the backward's launch (bidi): the same tables plus the reverse warm-ups
     seg2, start2, fallback2, (rend, rfallback) = real(captured["problem"], L, captured["TC"], t, None, bidi=True)
     T = int(x["cu_seqlens"][-1])

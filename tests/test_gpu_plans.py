@@ -15,7 +15,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 PATHS = {  # name: tuning that pins the path
     "fused": dict(use_fused=True, force_segment_chunks=0),
     "split": dict(use_fused=False, force_segment_chunks=0),
-    "cp": dict(force_segment_chunks=2),
+    "cp": dict(force_segment_chunks=2, cp_fused=False),
+    "cp_fused": dict(force_segment_chunks=2, cp_fused=True),
 }
 
 
@@ -112,10 +113,11 @@ def test_fast_lane_matches_the_full_path(path, beta_dtype):
 PINS = {"fused": lambda p: dict(use_fused=True, force_block_v=p.block_v, force_segment_chunks=0),
         "split": lambda p: dict(use_fused=False, force_block_v=p.block_v, force_heads_per_cta=p.heads_per_cta,
                                 force_segment_chunks=0),
-        "cp": lambda p: dict(force_segment_chunks=p.segment_chunks)}
+        "cp": lambda p: dict(force_segment_chunks=p.segment_chunks, cp_fused=False),
+        "cp_fused": lambda p: dict(force_segment_chunks=p.segment_chunks, cp_fused=True, force_block_v=p.block_v)}
 
 
-@pytest.mark.parametrize("lengths,hq,hv", [([7168, 1024], 16, 64), ([6144, 512, 512], 2, 8), ([7168, 1024], 8, 32)])
+@pytest.mark.parametrize("lengths,hq,hv", [([7168, 1024], 16, 64), ([6144, 512, 512], 2, 8), ([14336, 2048], 16, 32)])
 def test_host_lengths_plan_from_the_longest_sequence(lengths, hq, hv):
     """With cu_seqlens_cpu the forward is planned from the longest sequence (planner.plan_forward): the call runs that
     plan (bit-identical to the call pinned to it) and the plan differs from the equal-length one where the model
@@ -190,7 +192,7 @@ def test_auto_cp_false_plans_no_intra_card_cp():
     from flash_qla.validation import validate_inputs
     x = draw([8192], 2, 8, 128, 128, torch.bfloat16, seed=10)
     problem = validate_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], x["cu_seqlens"])
-    assert fwd.forward_plan(problem, "bf16", x["q"].device, False, False).path == "cp"
+    assert fwd.forward_plan(problem, "bf16", x["q"].device, False, False).path in ("cp", "cp_fused")
     plan = fwd.forward_plan(problem, "bf16", x["q"].device, False, False, allow_cp=False)
     with torch.no_grad():
         got = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, auto_cp=False)

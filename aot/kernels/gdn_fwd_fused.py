@@ -49,9 +49,11 @@ C = 64
 # l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
 # order: 1 walks the sequences longest first (a build of its own: the ranking and the table look-ups in the plain
 # build cost 1-3% on one-item CTAs, H100 kernel_ab, whatever the batch's order)
+# mode: "out", the forward; "state" / "trans", intra-card CP's pre-pass builds (docstring, one V block of 64)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1],
-            "order": [0, 1]}
-VARIANT_RULE = "BV <= V and (BV == 64 or l2norm == 0)"
+            "order": [0, 1], "mode": ["out", "state", "trans"]}
+VARIANT_RULE = ("BV <= V and (BV == 64 or l2norm == 0) and (mode == 'out' or (BV == 64 and order == 0)) "
+                "and (mode != 'trans' or V == K)")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
@@ -98,8 +100,10 @@ def order_by_length(cu_seqlens, N, tx, order_s):
     T.sync_threads()
 
 
-def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
+def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, mode: str = "out"):
     dt = DTYPES[dtype]
+    output = mode == "out"  # compile time: the pre-pass builds read no q and compute neither P nor O
+    trans = mode == "trans"
     NC = BV // 64            # consumer warpgroups, 64 rows of S^T each
     NB = V // BV             # V blocks of a (sequence, v-head)
     AUX0 = 128 * NC          # first aux thread
@@ -122,6 +126,19 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
         """The batch's sequence at position i of the CTAs' walk."""
         return order_s[T.min(i, ORDER_MAX - 1)] if order else i
 
+    def item_start(cu_seqlens, start, fallback, n, h):
+        """The first token of item (n, h)'s chain: its sequence's, or for the pre-pass builds the warm-up's start
+        (trans: the whole range for a fallback head, none for the others)."""
+        if output:
+            return cu_seqlens[n]
+        if trans:
+            return T.if_then_else(fallback[n, h] != 0, start[n, h], cu_seqlens[n])
+        return start[n, h]
+
+    def item_end(cu_seqlens, n):
+        """The token past item n's chain: its sequence's end, or for the pre-pass builds segment n's start."""
+        return cu_seqlens[n + 1] if output else cu_seqlens[n]
+
     @T.prim_func
     def gdn_fwd_fused(
         q: T.Tensor((NT, Hq, K), dt),
@@ -137,6 +154,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
         o: T.Tensor((NT, Hv, V), dt),
         ht: T.Tensor((HTR, Hv, K * V), "float32"),
         state_idx: T.Tensor((N,), "int32"),
+        # the pre-pass builds' tables (gdn_cp_plan; N = segments): each (segment, v-head)'s warm-up start and whether
+        # its decay leaves it to the exact transition (unread by the out build)
+        start: T.Tensor((N, Hv), "int32"),
+        fallback: T.Tensor((N, Hv), "int32"),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
@@ -196,7 +217,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
             chunks = 0
             for ii in T.serial(items):
                 n = seq_at(order_s, (cta + ii * ctas) // (Hv * NB))
-                chunks = chunks + T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
+                if not output:  # compile time: the pre-pass's ranges are per (segment, v-head)
+                    h = (cta + ii * ctas) // NB % Hv
+                chunks = chunks + T.ceildiv(item_end(cu_seqlens, n) - item_start(cu_seqlens, start, fallback, n, h), C)
+            if trans:  # compile time: v is unread (V = 0); its zero stages stand in, written once before any read
+                for st_, i, j in T.Parallel(stages, C, BV):
+                    v_s[st_, i, j] = T.cast(0, dt)
+                T.sync_threads()
             tx = T.get_thread_binding()
             if tx >= PROD0:
                 T.set_max_nreg(PRODUCER_REGS, 0)
@@ -211,8 +238,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     n = seq_at(order_s, cta // (Hv * NB))
                     h = cta // NB % Hv
                     vb = cta % NB
-                    bos = cu_seqlens[n]
-                    eos = cu_seqlens[n + 1]
+                    bos = item_start(cu_seqlens, start, fallback, n, h)
+                    eos = item_end(cu_seqlens, n)
                     hk = h // (Hv // Hq)
                     # the item's head's -exp(A_log), dt_bias (gate_mode's GATE; made again when the item changes)
                     hp = T.alloc_local((2,), "float32")
@@ -229,8 +256,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                             n = seq_at(order_s, (cta + it * ctas) // (Hv * NB))
                             h = (cta + it * ctas) // NB % Hv
                             vb = (cta + it * ctas) % NB
-                            bos = cu_seqlens[n]
-                            eos = cu_seqlens[n + 1]
+                            bos = item_start(cu_seqlens, start, fallback, n, h)
+                            eos = item_end(cu_seqlens, n)
                             hk = h // (Hv // Hq)
                             if (gate_mode & GATE) != 0:
                                 hp[0] = neg_rate(A_log[h])
@@ -261,9 +288,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                                                      (valid - 1) % 32, 32, 32)
                         T.barrier_wait(empty[s], (c // stages + 1) % 2)
                         # rows past T arrive as zeros; rows of the next sequence are never stored nor reach a valid row
-                        T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=full[s])
+                        if output:
+                            T.tma_copy(q[t0:t0 + C, hk, :], q_s[s, :, :], barrier=full[s])
                         T.tma_copy(k[t0:t0 + C, hk, :], k_s[s, :, :], barrier=full[s])
-                        T.tma_copy(v[t0:t0 + C, h, vb * BV:vb * BV + BV], v_s[s, :, :], barrier=full[s])
+                        if not trans:
+                            T.tma_copy(v[t0:t0 + C, h, vb * BV:vb * BV + BV], v_s[s, :, :], barrier=full[s])
                         for u in T.unroll(2):
                             row = lane + u * 32
                             g_s[s, row] = gv[u] * LOG2E
@@ -275,12 +304,13 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                 T.set_max_nreg(AUX_REGS, int(AUX_REGS > 65536 // THREADS))
                 tid = tx - AUX0
                 kk = T.alloc_fragment((C, C), "float32")
-                qk = T.alloc_fragment((C, C), "float32") if NC == 1 else kk  # BV = 128: one accumulator at a time
+                # Q K^T's accumulator (BV = 128: K K^T's, one at a time); none in the pre-pass builds
+                qk = (T.alloc_fragment((C, C), "float32") if NC == 1 else kk) if output else None
                 x = T.alloc_local((16,), "float32")
                 dot = T.alloc_local((1,), "float32")
                 xt = T.alloc_local((8,), "float32")
                 yacc = T.alloc_local((8,), "float32")
-                qq = T.alloc_fragment((C, C), "float32") if l2norm else None
+                qq = T.alloc_fragment((C, C), "float32") if l2norm and output else None
                 gate = T.alloc_fragment((C, C), "float32")
                 # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
                 for st_, i, j in T.Parallel(stages, C, C):
@@ -289,7 +319,7 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     s = c % stages
                     T.barrier_wait(full[s], (c // stages) % 2)
                     T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], kk, transpose_B=True, clear_accum=True)
-                    if NC == 1:  # compile time
+                    if NC == 1 and output:  # compile time
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                     # Gamma (lower triangle and diagonal) in the products' accumulator layout, into registers before
                     # any shared-memory store (ptxas keeps loads behind earlier stores: element by element otherwise)
@@ -300,9 +330,19 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         gate[i, j] = T.exp2(T.if_then_else(i >= j, gate[i, j], -T.infinity("float32")))
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
-                    if NC == 1:
+                    if NC == 1 and output:
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
-                    if l2norm:  # compile time
+                    if l2norm and not output:  # compile time: the pre-pass builds need only |k_i|
+                        for i, j in T.Parallel(C, C):
+                            if i == j:
+                                rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                        T.sync_threads(AUX_BARRIER, 128)
+                        for i, j in T.Parallel(C, C):
+                            kk[i, j] = kk[i, j] * (rn_s[0, i] * rn_s[0, j])
+                        if tid < C:
+                            eg_s[s, tid] = eg_s[s, tid] * rn_s[0, tid]
+                            et_s[s, tid] = et_s[s, tid] * rn_s[0, tid]
+                    if l2norm and output:  # compile time
                         # use_qk_l2norm_in_kernel without a pass over the tiles: |k_i|^2 is K K^T's diagonal, |q_i|^2
                         # Q Q^T's; the products take the factors as row / column scalings and the chain as per-token
                         # ones (eg, et by 1 / |k_i|, egq by 1 / |q_i|), exactly the normalised rows' algebra
@@ -332,12 +372,14 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
-                    for i, j in T.Parallel(C, C):
-                        qk[i, j] = qk[i, j] * gate[i, j] * scale
-                    # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen)
-                    for jj in T.unroll(C // 16):
-                        row, col = block_rows(tid % 32, 16 * (tid // 32), 16 * jj)
-                        T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data, jj)
+                    if output:  # compile time
+                        for i, j in T.Parallel(C, C):
+                            qk[i, j] = qk[i, j] * gate[i, j] * scale
+                        # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen)
+                        for jj in T.unroll(C // 16):
+                            row, col = block_rows(tid % 32, 16 * (tid // 32), 16 * jj)
+                            T.call_extern("handle", "fqla_stsm_" + dtype, T.address_of(p_s[s, row, col]), qk.data,
+                                          jj)
                     T.sync_threads(AUX_BARRIER, 128)  # gm_s, kk_s
                     # Agb = (Gamma * A) diag(beta) made block by block from G and the Agb blocks before it
                     invert_gated(kk_s, gm_s, b_s, s, agb_s, s, x, dot, xt, yacc, tid, dtype, AUX_BARRIER,
@@ -353,10 +395,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                 # 32 registers it frees leave the aux warpgroup enough)
                 st_b = T.alloc_fragment((BV, K), dt) if NC == 1 else stb_s
                 kst = T.alloc_fragment((BV, C), "float32")
-                qst = T.alloc_fragment((BV, C), "float32")
+                qst = T.alloc_fragment((BV, C), "float32") if output else None
                 wt = T.alloc_fragment((BV, C), dt)
                 vnt = T.alloc_fragment((BV, C), "float32")
-                vnt_b = T.alloc_fragment((BV, C), dt)
+                vnt_b = T.alloc_fragment((BV, C), dt) if output else None
                 vdt_b = T.alloc_fragment((BV, C), dt)
 
                 egl = T.alloc_local((1,), "float32")
@@ -367,9 +409,9 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                     n = seq_at(order_s, (cta + ci * ctas) // (Hv * NB))
                     h = (cta + ci * ctas) // NB % Hv
                     vb = (cta + ci * ctas) % NB
-                    bos = cu_seqlens[n]
-                    eos = cu_seqlens[n + 1]
-                    if PREFETCH_NEXT_STATE and use_h0 != 0 and ci + 1 < items:
+                    bos = item_start(cu_seqlens, start, fallback, n, h)
+                    eos = item_end(cu_seqlens, n)
+                    if PREFETCH_NEXT_STATE and output and use_h0 != 0 and ci + 1 < items:
                         # the next item's initial state into L2 while this one runs (its load then hits L2). Not for
                         # a K-first state that is one 64 x 64 or 128 x 128 block (one V block): there about a third of
                         # the prefetched bytes were read from DRAM twice and the short batches ran 7-10% slower with
@@ -387,7 +429,10 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                                 T.call_extern("handle", "fqla_prefetch_l2",
                                               T.address_of(h0[prow, nxt // NB % Hv, ct * V + nxt % NB * BV]), BV * 4)
                     srow = T.if_then_else((state_mode & READ_INDEXED) != 0, state_idx[n], n)
-                    if use_h0 == 0 or srow < 0:
+                    if trans:  # compile time: S = I (V = K), S^T's rows the block's columns of the identity
+                        for d, kk_ in T.Parallel(BV, K):
+                            st[d, kk_] = T.if_then_else(kk_ == vb * BV + d, 1.0, 0.0)
+                    elif not output or use_h0 == 0 or srow < 0:
                         T.clear(st)
                     elif (state_mode & V_FIRST) != 0:
                         for d, kk_ in T.Parallel(BV, K):
@@ -407,9 +452,12 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         # S K^T and S Q^T together: the second runs while W is made from the first
                         T.wgmma_gemm(st_b, k_s[s, :, :], kst, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
-                                     policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)
+                        if output:  # compile time
+                            T.wgmma_gemm(st_b, q_s[s, :, :], qst, transpose_B=True, clear_accum=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)
+                        else:
+                            T.wait_wgmma(0)
                         T.warpgroup_fence_operand(kst, num_regs=C // 2)
                         lane = ct % 32
                         for jj in T.unroll(C // 16):
@@ -421,7 +469,8 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(vnt, num_regs=C // 2)
                         for d, i in T.Parallel(BV, C):
-                            vnt_b[d, i] = T.cast(vnt[d, i], dt)
+                            if output:
+                                vnt_b[d, i] = T.cast(vnt[d, i], dt)
                             vdt_b[d, i] = T.cast(vnt[d, i] * et_s[s, i], dt)
                         if l2norm:  # the chunk's total decay (eg_s carries 1 / |k|)
                             egl[0] = T.exp2(g_s[s, valid - 1])
@@ -429,54 +478,63 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0):
                             egl[0] = eg_s[s, valid - 1]
                         for d, kk_ in T.Parallel(BV, K):
                             st[d, kk_] = st[d, kk_] * egl[0]
-                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
-                        for d, i in T.Parallel(BV, C):
-                            qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
-                        # O's product first: O leaves while the state update runs
-                        T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)
-                        T.warpgroup_fence_operand(qst, num_regs=C // 2)
-                        # O staged in o_s and stored by one TMA store a warpgroup (its own 64 columns); a sequence's
-                        # partial last chunk by 16-byte stores of its valid rows (a box would write the next
-                        # sequence's). At BV = 128 the barrier below also orders the chunk's tensor-core reads of st_b
-                        # before the next chunk's writes.
-                        if cc > 0:
-                            if ct % 128 == 0:  # the previous chunk's TMA store has read its rows
-                                T.tma_store_wait(0)
-                            T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
-                        # O^T's blocks stored transposed: o_s's rows are O's (tokens)
-                        for jj in T.unroll(C // 16):
-                            row, col = block_cols(lane, 16 * jj, 16 * (ct % 128 // 32))
-                            T.call_extern("handle", "fqla_stsm_t_" + dtype, T.address_of(o_s[wg * C + row, col]),
-                                          qst.data, jj)
-                        T.fence_proxy_async()
-                        T.sync_threads(OUT_BARRIER + wg, 128)
-                        if valid == C:
-                            if ct % 128 < 32:  # one elected thread, the one that waits for it above
-                                T.tma_copy(o_s[wg * C:wg * C + C, :],
-                                           o[t0:t0 + C, h, vb * BV + wg * 64:vb * BV + wg * 64 + 64],
-                                           leader_scope_threads=32)
-                        else:
-                            col = ct % 8 * 8
-                            for ps in T.unroll(C // OUT_ROWS_PER_PASS):
-                                row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
-                                if row < valid:
-                                    for u in T.vectorized(8):
-                                        o[t0 + row, h, vb * BV + wg * 64 + col + u] = o_s[wg * C + row, col + u]
+                        if output:  # compile time
+                            T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                            for d, i in T.Parallel(BV, C):
+                                qst[d, i] = qst[d, i] * (egq_s[s, i] * scale)
+                            # O's product first: O leaves while the state update runs
+                            T.wgmma_gemm(vnt_b, p_s[s, :, :], qst, transpose_B=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
+                            T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(qst, num_regs=C // 2)
+                            # O staged in o_s and stored by one TMA store a warpgroup (its own 64 columns); a
+                            # sequence's partial last chunk by 16-byte stores of its valid rows (a box would write the
+                            # next sequence's). At BV = 128 the barrier below also orders the chunk's tensor-core reads
+                            # of st_b before the next chunk's writes.
+                            if cc > 0:
+                                if ct % 128 == 0:  # the previous chunk's TMA store has read its rows
+                                    T.tma_store_wait(0)
+                                T.sync_threads(OUT_BARRIER + wg, 128)  # the previous chunk's O rows have left o_s
+                            # O^T's blocks stored transposed: o_s's rows are O's (tokens)
+                            for jj in T.unroll(C // 16):
+                                row, col = block_cols(lane, 16 * jj, 16 * (ct % 128 // 32))
+                                T.call_extern("handle", "fqla_stsm_t_" + dtype,
+                                              T.address_of(o_s[wg * C + row, col]), qst.data, jj)
+                            T.fence_proxy_async()
+                            T.sync_threads(OUT_BARRIER + wg, 128)
+                            if valid == C:
+                                if ct % 128 < 32:  # one elected thread, the one that waits for it above
+                                    T.tma_copy(o_s[wg * C:wg * C + C, :],
+                                               o[t0:t0 + C, h, vb * BV + wg * 64:vb * BV + wg * 64 + 64],
+                                               leader_scope_threads=32)
+                            else:
+                                col = ct % 8 * 8
+                                for ps in T.unroll(C // OUT_ROWS_PER_PASS):
+                                    row = ps * OUT_ROWS_PER_PASS + (ct % 128 if NC > 1 else ct) // 8
+                                    if row < valid:
+                                        for u in T.vectorized(8):
+                                            o[t0 + row, h, vb * BV + wg * 64 + col + u] = o_s[wg * C + row,
+                                                                                                col + u]
+                        else:  # the pre-pass builds: the state update alone
+                            T.wgmma_gemm(vdt_b, k_s[s, :, :], st, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(st, num_regs=K // 2)
                         T.barrier_arrive(empty[s])  # every read of the stage is done (the products waited for)
                         cc = cc + 1
+                    if not output:  # compile time: the pre-pass's per-segment results, internal [S, Hv, K, V]
+                        if not trans or fallback[n, h] != 0:  # (gdn_cp_combine reads no other head's transition)
+                            for d, kk_ in T.Parallel(BV, K):
+                                ht[n, h, kk_ * V + vb * BV + d] = st[d, kk_]
                     srow = T.if_then_else((state_mode & WRITE_INDEXED) != 0, state_idx[n], n)
-                    if store_ht != 0 and srow >= 0:
+                    if output and store_ht != 0 and srow >= 0:
                         if (state_mode & V_FIRST) != 0:
                             for d, kk_ in T.Parallel(BV, K):
                                 ht[srow, h, (vb * BV + d) * K + kk_] = st[d, kk_]
                         else:
                             for d, kk_ in T.Parallel(BV, K):
                                 ht[srow, h, kk_ * V + vb * BV + d] = st[d, kk_]
-                if ct % 128 == 0:  # o_s stays until the last TMA store has read it
+                if output and ct % 128 == 0:  # o_s stays until the last TMA store has read it
                     T.tma_store_wait(0)
 
     return gdn_fwd_fused
