@@ -77,7 +77,8 @@ def main() -> None:
                 cell["graph_ms"].append(r["graph_ms"])
                 cell["outputs"].append(r["outputs"])
                 for kernel, ms in r["kernels"].items():
-                    cell[kernel].append(ms)
+                    if isinstance(ms, (int, float)):  # kernel_split's per-kernel means (not its launch-order list)
+                        cell[kernel].append(ms)
     first = next(iter(arms))
     for row in dict.fromkeys(r for r, _ in results):
         reference = results[(row, first)]["outputs"][0]
