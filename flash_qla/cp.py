@@ -8,6 +8,8 @@ segments of L chunks that run in parallel:
   2. gdn_cp_combine: h_in[s] = Z[s] + (fallback ? M[s] h_in[s-1] : 0), serially over a sequence's segments;
   3. gdn_fwd_chain (the output pass) over the segments as independent sequences from h_in; the final state is the
      last segment's.
+The forward may run the same three steps on the fused kernel instead (flash_qla/fused_cp.py: gdn_fwd_fused's "state"
+/ "trans" builds and its out build, the tables' bounds from gdn_cp_scan rather than gdn_prepare).
 Warm-up bound: with Phi the transition over w chunks, ||Phi||_2 <= exp(sum of g over them) as long as
 every token's factor (I - beta k k^T) is non-expansive, i.e. 0 <= beta ||k||^2 <= 2. w is the fewest
 trailing chunks of segment s - 1 whose summed g is <= WARMUP_LOG_DECAY (-10): dropping Phi S then errs by

@@ -6,8 +6,9 @@ either gdn_fwd_fused alone or three launches:
   gdn_prepare    per (chunk, v-heads): gamma, the gate-free inverse and Agb = Gamma * A * beta,
                  P = scale * Gamma * tril(Q K^T), exp factors,
   gdn_fwd_chain  per (sequence, v-head, V-block): the state recurrence and the output.
-With intra-card CP (flash_qla/cp.py) the chain runs over segments after a pre-pass and a combine. The backward's
-recompute (``saved``) runs gdn_bwd_recompute instead of the output chain. Nothing is read back to the host, so
+With intra-card CP (flash_qla/cp.py) the chain runs over segments after a pre-pass and a combine; a "cp_fused" plan
+runs that CP on the fused kernel instead (flash_qla/fused_cp.py: no gdn_prepare). The backward's recompute
+(``saved``) runs gdn_bwd_recompute instead of the output chain. Nothing is read back to the host, so
 a call can be captured in a CUDA graph; flash_qla/plans.py records a call's launches once per signature.
 """
 from __future__ import annotations
@@ -295,9 +296,10 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
 def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
                   want_gate_free_inverse: bool, longest: Optional[int] = None, allow_cp: bool = True,
                   unordered: bool = False) -> ForwardPlan:
-    """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP), V block, gdn_prepare
-    heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants), narrowed by the
-    tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0: no CP). A
+    """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP on either), V block,
+    gdn_prepare heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants),
+    narrowed by the tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0:
+    no CP; a forced length takes CP on the fused kernel where built, unless cp_fused is False), cp_fused. A
     forward that returns A (the gate-free inverse) needs gdn_prepare, so never takes the fused kernel. longest: the
     longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal);
     unordered: those lengths are not longest first, so a fused plan of up to planner.FUSED_ORDER_MAX sequences has

@@ -153,6 +153,28 @@ def test_cp_fit_recovers_its_coefficients_beyond_prepare():
     assert got == pytest.approx(coef, rel=1e-6) and worst < 1e-6
 
 
+def test_cp_fused_fit_recovers_its_coefficients():
+    """scripts/plan_fit.py's fused-CP fit on rows made from known coefficients over cp_fused_parts gives them back."""
+    from flash_qla import planner
+    coef = (30.0, 1.2, 2.5, 1.0, 0.5, 20.0)
+    fused = plan_fit.built(False)[0]
+    rows = []
+    for hq, hv in ((2, 8), (4, 16), (16, 16), (8, 32), (16, 64)):
+        for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384), (4, 16384)):
+            cands = {}
+            for L in (8, 16, 32, 64, 128):
+                if 2 * L <= math.ceil(tokens / seqs / 64):
+                    out, _, f = planner.cp_fused_parts(tokens, seqs, hv, hq, 128, 128, 132, fused, L, False)
+                    cands[f"cpf_L{L}"] = (out + sum(c * x for c, x in zip(coef, f))) / 1000
+            rows.append({"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv,
+                         "tokens": tokens, "seqs": seqs, "equal_lengths": True, "l2norm": False,
+                         "candidates": dict(cands, fused_bv64=1.0)})
+    samples = plan_fit.cp_fused_samples(rows, 132)
+    assert len(samples) == sum(len(r["candidates"]) - 1 for r in rows)
+    got, worst = plan_fit.fit(samples, known=True)
+    assert got == pytest.approx(coef, rel=1e-6) and worst < 1e-6
+
+
 def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
     spec_ = importlib.util.spec_from_file_location("plan_sweep", ROOT / "scripts" / "plan_sweep.py")
     sweep = importlib.util.module_from_spec(spec_)
