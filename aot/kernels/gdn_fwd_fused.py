@@ -31,6 +31,11 @@ Built with order = 1 (for batches of up to ORDER_MAX sequences whose lengths are
 sequences longest first, ranked in shared memory by every CTA, so the short ones fill in behind the long ones (a long
 sequence late in the batch otherwise starts late and sets the kernel's time). With one item a CTA it is the
 one-CTA-per-item kernel.
+Intra-card CP's pre-pass builds (mode "state" / "trans", flash_qla/fused_cp.py; one V block of 64, no order build):
+the items are (segment, v-head, V block) with N the segment count; each walks the chunk range that ENDS where segment n
+begins (cu_seqlens[n]) from start[n, h], gdn_cp_plan's warm-up start: "state" from S = 0 into ht[n] (the warm-up state
+Z), "trans" with V = K from S = I and v unread (its stages stay zero), only where fallback[n, h] (the exact transition
+M; the other heads run no chunk and store nothing). Neither loads q nor makes P or O; ht is [S, Hv, K, V] (K-first).
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
