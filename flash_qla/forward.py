@@ -109,6 +109,12 @@ def _offsets(problem: Problem, cu_seqlens: Optional[torch.Tensor], device, strea
     return cu, offsets, order, zeros
 
 
+def chunk_slots(problem: Problem) -> int:
+    """Chunk slots of the packed batch, ceil(T / 64) + N: an upper bound of its chunk count (a sequence's last chunk
+    may be partial), which sizes the per-chunk tables and gdn_prepare's / gdn_cp_scan's grids."""
+    return -(-(problem.batch * problem.tokens) // CHUNK) + problem.num_seqs
+
+
 def chunk_slot_states(slots: int, problem: Problem, device, dtype) -> torch.Tensor:
     """[slots, Hv, K, V] per-chunk states: every chunk's slot is written by a kernel; the slots past the last chunk
     (slots = ceil(T / 64) + N bounds the chunk count) are left as they are: no kernel reads them (gdn_bwd_chunk's
@@ -191,7 +197,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
          else None)
     # head-major and chunk-aligned: chunk slot s of the packed batch owns [s * 64, s * 64 + 64), so every
     # tile starts 256-byte aligned (slots: an upper bound of the chunk count, as gdn_prepare's grid)
-    TC = (-(-T // CHUNK) + N) * CHUNK
+    TC = chunk_slots(problem) * CHUNK
     # one allocation for the four fp32 tiles and the int32 slot table (eager calls are host-bound on small rows: each
     # allocation costs ~3 us); slot_rows[s] = (first row, valid rows) of chunk slot s, for gdn_bwd_chunk
     slots = TC // CHUNK
@@ -332,7 +338,7 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:
     """gdn_prepare's v-heads per CTA (flash_qla/planner.py), over its chunk slots ceil(T / 64) + N."""
-    slots = -(-(problem.batch * problem.tokens) // CHUNK) + problem.num_seqs
+    slots = chunk_slots(problem)
     return settings.force_heads_per_cta or plan_heads_per_cta(slots, problem.num_v_heads, problem.num_qk_heads,
                                                      num_sms(device))
 

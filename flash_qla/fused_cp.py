@@ -30,7 +30,7 @@ def scan_bounds(problem: Problem, tag: str, k, g, beta, gate: KernelGate, cu, of
     row: the chunk's summed g) and bkk_max [Hv, TC / 64], with the CP inputs' device, cu, offsets."""
     dev = k.device
     T, Hv, N = problem.batch * problem.tokens, problem.num_v_heads, problem.num_seqs
-    TC = (-(-T // CHUNK) + N) * CHUNK
+    TC = fwd.chunk_slots(problem) * CHUNK
     tiles = empty(Hv * TC + Hv * (TC // CHUNK), device=dev, dtype=torch.float32)  # one allocation for both
     gam_t, bkk_max = tiles[:Hv * TC].view(Hv, TC), tiles[Hv * TC:].view(Hv, TC // CHUNK)
     launch(SCAN_KERNEL, {"dtype": tag, "K": problem.head_dim_k}, dev,

@@ -259,6 +259,20 @@ def length_groups(tokens: int, num_seqs: int, longest: Optional[int] = None) -> 
     return (longest_chunks, 1), (math.ceil(rest), num_seqs - 1)
 
 
+def segment_lengths(groups: tuple, L: int) -> Dict[int, int]:
+    """The segments of L chunks that length_groups' sequences cut into: segment chunks -> segments (each sequence's
+    full segments and its shorter last one)."""
+    lengths: Dict[int, int] = {}
+    for seq_chunks, seqs in groups:
+        if seqs <= 0:
+            continue
+        full, part = divmod(seq_chunks, L)
+        lengths[L] = lengths.get(L, 0) + full * seqs
+        if part:
+            lengths[part] = lengths.get(part, 0) + seqs
+    return lengths
+
+
 def fused_out_us(tokens: int, num_seqs: int, num_v_heads: int, head_dim_v: int, num_sms: int, bv: int, l2norm: bool,
                  lengths: Dict[int, int]) -> float:
     """gdn_fwd_fused's time at V block bv over sequences of the given lengths (chunks -> sequences): rounds of one
@@ -283,15 +297,8 @@ def cp_fused_parts(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: i
                    num_sms: int, fused_blocks: tuple, L: int, l2norm: bool, longest: Optional[int] = None) -> tuple:
     """(the out pass's predicted us, its V block, CP_FUSED_US's features) of intra-card CP on the fused kernel at
     segments of L chunks."""
-    lengths: Dict[int, int] = {}  # segment chunks -> segments
     groups = length_groups(tokens, num_seqs, longest)
-    for seq_chunks, seqs in groups:
-        if seqs <= 0:
-            continue
-        full, part = divmod(seq_chunks, L)
-        lengths[L] = lengths.get(L, 0) + full * seqs
-        if part:
-            lengths[part] = lengths.get(part, 0) + seqs
+    lengths = segment_lengths(groups, L)
     segments = sum(lengths.values())
     out, bv = min((fused_out_us(tokens, segments, num_v_heads, head_dim_v, num_sms, b, l2norm, lengths), b)
                   for b in sorted(fused_blocks, reverse=True))
@@ -309,20 +316,13 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     gdn_prepare reads: head_dim_k None is head_dim_v). With a known
     longest sequence, it and the rest's mean give the segments and their lengths (the count an upper bound)."""
     groups = length_groups(tokens, num_seqs, longest)
-    segments = sum(math.ceil(seq_chunks / L) * seqs for seq_chunks, seqs in groups)
+    by_length = segment_lengths(groups, L)
+    segments = sum(by_length.values())
     bv = plan_block_v(segments, num_v_heads, head_dim_v, chain_blocks, num_sms)
     rounds = _rounds(segments * num_v_heads * (head_dim_v // bv), num_sms)
     pre_rounds = _rounds(segments * num_v_heads * 2, num_sms)
     per_segment = num_v_heads * (head_dim_v // bv)  # out-chain CTAs a segment
-    lengths = {}  # segment length in chunks -> out-chain CTAs of that length
-    for seq_chunks, seqs in groups:
-        if seqs <= 0:
-            continue
-        full, part = divmod(seq_chunks, L)
-        lengths[L] = lengths.get(L, 0) + full * seqs * per_segment
-        if part:
-            lengths[part] = lengths.get(part, 0) + seqs * per_segment
-    span = chain_makespan(lengths, num_sms)
+    span = chain_makespan({n: count * per_segment for n, count in by_length.items()}, num_sms)
     qk_mb = tokens * num_qk_heads * (head_dim_k or head_dim_v) * 4 / 1e6
     return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads, qk_mb)
 
@@ -413,8 +413,7 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             if 2 * L > longest_chunks:
                 continue
             t, bv = cp_fused_us(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_k or head_dim_v, head_dim_v,
-                                num_sms,
-                                fused_blocks, L, l2norm, longest)
+                                num_sms, fused_blocks, L, l2norm, longest)
             plans.append(ForwardPlan("cp_fused", bv, None, L, t))
     if not plans:
         raise ValueError(f"no forward plan fits path={path!r}, block_v={block_v!r}, heads_per_cta={heads_per_cta!r} "
