@@ -168,14 +168,19 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # behind the full ones, which whole rounds of L counted as a round of its own (CP up to 25% over its time on unequal
 # lengths: 14336 + 2048 tokens at 32 v-heads planned at L = 32, 1.07x L = 64). The q / k megabytes gdn_prepare reads
 # (the sixth): the grid's GVA ratios 2 and 4 left CP at 14% under its time at ratio 1 (2B-TP1 1x32768), where CP on
-# the fused kernel, 17% faster, then lost the choice
-CP_FIT_US = (2.286, -5.009, 17.174, 1.990, -0.432, 0.559)
+# the fused kernel, 17% faster, then lost the choice. The seventh, the makespan again on l2norm calls, is fitted on the
+# l2norm rows' candidates within plan_fit.NEAR_BEST of their best with the plain terms held: without it the split CP
+# was priced as if gdn_prepare's normalising were its only l2norm cost and took 2 / 4 and 4 / 8 heads at 1.15-1.19x
+# the fused CP (1x16384, 14336+2048)
+CP_FIT_US = (2.286, -5.009, 17.174, 1.990, -0.432, 0.559, 0.228)
 # intra-card CP on the fused kernel (flash_qla/fused_cp.py) beyond its out pass (the fused kernel's own model on the
 # segments as sequences), over cp_fused_parts' features: (fixed: gdn_plan, gdn_cp_scan's and gdn_cp_plan's latency,
 # the launches; per chunk of a fallback head's state / transition chain over a whole segment; per chunk of the
 # pre-pass spread over the SMs; per serial combine step; per MB of k gdn_cp_scan reads; per round of (segment, v-head)
-# pairs over the SMs: each item's ramp in the pre-pass and the out pass). A least-squares fit (scripts/plan_fit.py)
-CP_FUSED_US = (28.406, 1.305, 2.865, 1.171, 0.486, 20.225)
+# pairs over the SMs: each item's ramp in the pre-pass and the out pass; with l2norm, the pre-pass chunks again: its
+# builds normalise each v-head's q / k rows). A least-squares fit over the candidates within plan_fit.NEAR_BEST of
+# their row's best (scripts/plan_fit.py)
+CP_FUSED_US = (25.356, 1.135, 2.707, 0.757, 0.367, 31.986, 0.430)
 # the share of (segment, v-head) pairs whose decay leaves them to the exact transition, as the fit's inputs have it (a
 # quarter of the heads never decay: the benchmark's distribution)
 CP_FUSED_FALLBACK = 0.25
@@ -306,14 +311,15 @@ def cp_fused_parts(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: i
     chunks = later * (CP_FUSED_FALLBACK * L * 2 + (1 - CP_FUSED_FALLBACK) * min(L, WARMUP_CHUNKS))
     k_mb = tokens * num_qk_heads * head_dim_k * 2 / 1e6
     return out, bv, (1.0, L if later else 0, chunks / num_sms, math.ceil(groups[0][0] / L), k_mb,
-                     segments * num_v_heads / num_sms)
+                     segments * num_v_heads / num_sms, chunks / num_sms if l2norm else 0.0)
 
 
 def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int, head_dim_v: int, num_sms: int,
-                chain_blocks: tuple, L: int, longest: Optional[int] = None, head_dim_k: Optional[int] = None) -> tuple:
+                chain_blocks: tuple, L: int, longest: Optional[int] = None, head_dim_k: Optional[int] = None,
+                l2norm: bool = False) -> tuple:
     """CP_FIT_US's features of intra-card CP at segments of L chunks: (the out chain's makespan in chunks, out-chain
     rounds, pre-pass rounds, the longest sequence's segments, the makespan x q/k heads / v-heads, MB of q and k
-    gdn_prepare reads: head_dim_k None is head_dim_v). With a known
+    gdn_prepare reads (head_dim_k None is head_dim_v), the makespan on l2norm calls). With a known
     longest sequence, it and the rest's mean give the segments and their lengths (the count an upper bound)."""
     groups = length_groups(tokens, num_seqs, longest)
     by_length = segment_lengths(groups, L)
@@ -324,7 +330,8 @@ def cp_features(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int,
     per_segment = num_v_heads * (head_dim_v // bv)  # out-chain CTAs a segment
     span = chain_makespan({n: count * per_segment for n, count in by_length.items()}, num_sms)
     qk_mb = tokens * num_qk_heads * (head_dim_k or head_dim_v) * 4 / 1e6
-    return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads, qk_mb)
+    return (span, rounds, pre_rounds, math.ceil(groups[0][0] / L), span * num_qk_heads / num_v_heads, qk_mb,
+            span if l2norm else 0.0)
 
 
 def chain_makespan(lengths: Dict[float, int], num_sms: int) -> float:
@@ -404,7 +411,7 @@ def plan_forward(tokens: int, num_seqs: int, num_v_heads: int, num_qk_heads: int
             if 2 * L > longest_chunks:  # the longest sequence needs two segments at least
                 continue
             features = cp_features(tokens, num_seqs, num_v_heads, num_qk_heads, head_dim_v, num_sms, chain_blocks, L,
-                                   longest, head_dim_k)
+                                   longest, head_dim_k, l2norm)
             t = prepare + sum(a * b for a, b in zip(CP_FIT_US, features))
             plans.append(ForwardPlan("cp", None, None, L, t))
     # its pre-pass builds are at V block 64

@@ -154,25 +154,54 @@ def test_cp_fit_recovers_its_coefficients_beyond_prepare():
 
 
 def test_cp_fused_fit_recovers_its_coefficients():
-    """scripts/plan_fit.py's fused-CP fit on rows made from known coefficients over cp_fused_parts gives them back."""
+    """scripts/plan_fit.py's fused-CP fit on rows made from known coefficients over cp_fused_parts gives them back,
+    the l2norm term included, from the candidates within NEAR_BEST of their row's best."""
     from flash_qla import planner
-    coef = (30.0, 1.2, 2.5, 1.0, 0.5, 20.0)
-    fused = plan_fit.built(False)[0]
-    rows = []
-    for hq, hv in ((2, 8), (4, 16), (16, 16), (8, 32), (16, 64)):
-        for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384), (4, 16384)):
-            cands = {}
-            for L in (8, 16, 32, 64, 128):
-                if 2 * L <= math.ceil(tokens / seqs / 64):
-                    out, _, f = planner.cp_fused_parts(tokens, seqs, hv, hq, 128, 128, 132, fused, L, False)
-                    cands[f"cpf_L{L}"] = (out + sum(c * x for c, x in zip(coef, f))) / 1000
-            rows.append({"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv,
-                         "tokens": tokens, "seqs": seqs, "equal_lengths": True, "l2norm": False,
-                         "candidates": dict(cands, fused_bv64=1.0)})
+    coef = (30.0, 1.2, 2.5, 1.0, 0.5, 20.0, 0.6)
+    rows, near = [], 0
+    for l2norm in (False, True):
+        fused = plan_fit.built(l2norm)[0]
+        for hq, hv in ((2, 8), (4, 16), (16, 16), (8, 32), (16, 64)):
+            for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384), (4, 16384)):
+                cands = {}
+                for L in (8, 16, 32, 64, 128):
+                    if 2 * L <= math.ceil(tokens / seqs / 64):
+                        out, _, f = planner.cp_fused_parts(tokens, seqs, hv, hq, 128, 128, 132, fused, L, l2norm)
+                        cands[f"cpf_L{L}"] = (out + sum(c * x for c, x in zip(coef, f))) / 1000
+                best = min(cands.values())
+                near += sum(ms <= plan_fit.NEAR_BEST * best for ms in cands.values())
+                rows.append({"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv,
+                             "tokens": tokens, "seqs": seqs, "equal_lengths": True, "l2norm": l2norm,
+                             "candidates": dict(cands, fused_bv64=10.0), "best_ms": best})
     samples = plan_fit.cp_fused_samples(rows, 132)
-    assert len(samples) == sum(len(r["candidates"]) - 1 for r in rows)
+    assert len(samples) == near < sum(len(r["candidates"]) - 1 for r in rows)
     got, worst = plan_fit.fit(samples, known=True)
     assert got == pytest.approx(coef, rel=1e-6) and worst < 1e-6
+
+
+def test_cp_fit_l2norm_term_beyond_the_plain_terms():
+    """The split CP's l2norm term is fitted on the l2norm rows' near-best candidates with the plain terms held at
+    the planner's CP_FIT_US: rows made with a known term give it back."""
+    from flash_qla.cp import SEGMENT_CHUNKS
+    from flash_qla.planner import CP_FIT_US, cp_features, cp_prepare_us
+    term = 0.4
+    chain_blocks = plan_fit.built(False)[1]
+    rows = []
+    for hq, hv in ((2, 8), (4, 16), (8, 32)):
+        for seqs, tokens in ((1, 8192), (1, 32768), (2, 16384)):
+            prepare = cp_prepare_us(tokens, seqs, hv, hq, SMS, True)
+            cands = {}
+            for L in SEGMENT_CHUNKS:
+                if 2 * L <= math.ceil(tokens / seqs / 64):
+                    f = cp_features(tokens, seqs, hv, hq, 128, SMS, chain_blocks, L, None, 128, True)
+                    cands[f"cp_L{L}"] = (prepare + sum(c * x for c, x in zip(CP_FIT_US[:6] + (term,), f))) / 1000
+            rows.append({"set": "grid", "shape": f"hq{hq}_hv{hv}|{seqs}x{tokens // seqs}", "hq": hq, "hv": hv,
+                         "tokens": tokens, "seqs": seqs, "equal_lengths": True, "l2norm": True,
+                         "candidates": cands, "best_ms": min(cands.values())})
+    samples = plan_fit.cp_samples(rows, SMS, l2norm=True)
+    assert samples and not plan_fit.cp_samples(rows, SMS)  # the plain fit sees no l2norm row
+    (got, ), worst = plan_fit.fit(samples, known=True)
+    assert got == pytest.approx(term, rel=1e-6) and worst < 1e-6
 
 
 def test_sweep_refresh_keeps_the_untimed_candidates_of_the_earlier_row():
