@@ -170,9 +170,9 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # (the sixth): the grid's GVA ratios 2 and 4 left CP at 14% under its time at ratio 1 (2B-TP1 1x32768), where CP on
 # the fused kernel, 17% faster, then lost the choice. The seventh, the makespan again on l2norm calls, is fitted on the
 # l2norm rows' candidates within plan_fit.NEAR_BEST of their best with the plain terms held: without it the split CP
-# was priced as if gdn_prepare's normalising were its only l2norm cost and took 2 / 4 and 4 / 8 heads at 1.15-1.19x
-# the fused CP (1x16384, 14336+2048)
-CP_FIT_US = (2.286, -5.009, 17.174, 1.990, -0.432, 0.559, 0.228)
+# was priced as if gdn_prepare's normalising were its only l2norm cost and took it over the fused CP at up to 1.19x the
+# best plan (8 mixed lengths at 2 / 4 heads; 4 / 8 heads on 1x16384 and 14336 + 2048 at 1.10-1.12x)
+CP_FIT_US = (2.276, -4.390, 17.005, 1.960, -0.414, 0.557, 0.107)
 # intra-card CP on the fused kernel (flash_qla/fused_cp.py) beyond its out pass (the fused kernel's own model on the
 # segments as sequences), over cp_fused_parts' features: (fixed: gdn_plan, gdn_cp_scan's and gdn_cp_plan's latency,
 # the launches; per chunk of a fallback head's state / transition chain over a whole segment; per chunk of the
@@ -180,7 +180,7 @@ CP_FIT_US = (2.286, -5.009, 17.174, 1.990, -0.432, 0.559, 0.228)
 # pairs over the SMs: each item's ramp in the pre-pass and the out pass; with l2norm, the pre-pass chunks again: its
 # builds normalise each v-head's q / k rows). A least-squares fit over the candidates within plan_fit.NEAR_BEST of
 # their row's best (scripts/plan_fit.py)
-CP_FUSED_US = (25.356, 1.135, 2.707, 0.757, 0.367, 31.986, 0.430)
+CP_FUSED_US = (24.942, 1.116, 2.786, 0.740, 0.411, 31.333, 0.346)
 # the share of (segment, v-head) pairs whose decay leaves them to the exact transition, as the fit's inputs have it (a
 # quarter of the heads never decay: the benchmark's distribution)
 CP_FUSED_FALLBACK = 0.25
