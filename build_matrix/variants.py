@@ -10,7 +10,7 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "aot" / "kernels"
 COMPILER = ROOT / "aot" / "compile.py"
-KERNELS = ("gdn_plan", "gdn_cp_plan", "gdn_prepare", "gdn_bwd_recompute", "gdn_fwd_chain", "gdn_fwd_fused", "gdn_cp_scan", "gdn_cp_combine", "gdn_bwd_dh", "gdn_bwd_chunk", "gdn_gate_bwd", "gdn_state_pick")
+KERNELS = ("gdn_plan", "gdn_cp_plan", "gdn_prepare", "gdn_bwd_recompute", "gdn_fwd_chain", "gdn_fwd_fused", "gdn_cp_scan", "gdn_cp_combine", "gdn_bwd_dh", "gdn_bwd_chunk", "gdn_gate_bwd", "gdn_state_pick", "gdn_l2norm")
 # a few variants CI can compile in minutes to prove the toolchain path
 SMOKE = {("gdn_prepare", "bf16.K128.Asolve"), ("gdn_fwd_chain", "bf16.K128.V128.BV64.modeout")}
 

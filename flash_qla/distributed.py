@@ -363,7 +363,7 @@ def _stopped_window(call: _Call, q, k, zeros, g, beta, w: int):
     if made is None:            # checked and planned once per remembered call: a split plan, one 64-column block
         from .validation import validate_inputs
         problem = validate_inputs(q, k, zeros, g, beta, call.scale, None, None)
-        plan = forward_plan(problem, DTYPE_TAG[q.dtype], dev, call.l2norm, True, allow_cp=False)
+        plan = forward_plan(problem, DTYPE_TAG[q.dtype], dev, call.l2norm, True, allow_cp=False, allow_prenorm=False)
         made = call.kept[("stopped window", w, H)] = (problem, plan._replace(path="split", block_v=64))
     problem, plan = made
     from .kernel_api import run_window
@@ -683,7 +683,7 @@ def _find_link_layout(call: _Call, ctx: "CPContext", x, initial_state) -> Option
     except (TypeError, ValueError):
         return None
     plans = [forward_plan(replace(call.problem, num_seqs=len(n), varlen=len(n) > 1), DTYPE_TAG[q.dtype], q.device,
-                          call.l2norm, False) for n in ctx.lengths_all]
+                          call.l2norm, False, allow_prenorm=False) for n in ctx.lengths_all]
     if not all(p.segment_chunks is not None for p in plans):
         return None
     plan = plans[ctx.rank]

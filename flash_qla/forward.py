@@ -21,7 +21,7 @@ import torch
 from . import cp, fused_cp, planner
 from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
-from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
+from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, L2NORM_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
                      current_stream, dense, empty, join, launch, num_sms, packed, side_stream)
 from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, chain_skew,
                       plan_block_v, plan_forward, plan_heads_per_cta, plan_irregular_block_v)
@@ -171,6 +171,11 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
     L = plan.segment_chunks if plan is not None else _recompute_segment_chunks(problem, tag, dev)
     if gate.mode and g_is_cumsum:
         raise ValueError("internal: g is either the chunk-local cumsum or FLA's raw gate, not both")
+    if plan is not None and plan.prenorm and use_qk_l2norm and saved is None:
+        # the plain kernels on q / k normalised once (the backward's recompute keeps gdn_prepare's l2norm: it stores
+        # the rows' factors for gdn_bwd_chunk)
+        qp, kp = l2norm_rows(problem, qp, kp, tag, stream)
+        use_qk_l2norm = False
     if L is not None and state_io.mode:
         raise ValueError("internal: the kernels read / write the caller's state layout and pool only without "
                          "intra-card CP (forward.native_state_io); the caller converts the states around a CP call")
@@ -301,7 +306,7 @@ def forward(problem: Problem, q, k, v, g, beta, initial_state, output_final_stat
 
 def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
                   want_gate_free_inverse: bool, longest: Optional[int] = None, allow_cp: bool = True,
-                  unordered: bool = False) -> ForwardPlan:
+                  unordered: bool = False, allow_prenorm: bool = True) -> ForwardPlan:
     """The plain forward's path (gdn_fwd_fused, gdn_prepare + gdn_fwd_chain, or intra-card CP on either), V block,
     gdn_prepare heads per CTA and CP segment length (flash_qla/planner.py plan_forward over the built variants),
     narrowed by the tuning pins: use_fused, force_block_v (where built), force_heads_per_cta, force_segment_chunks (0:
@@ -310,7 +315,20 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
     longest sequence's tokens when the caller gave the lengths on the host (else they are planned as equal);
     unordered: those lengths are not longest first, so a fused plan of up to planner.FUSED_ORDER_MAX sequences has
     the kernel walk them longest first (the makespan the planner prices). allow_cp False: no intra-card CP
-    (FlashQLA's auto_cp=False)."""
+    (FlashQLA's auto_cp=False). With l2norm the plain plan after a gdn_l2norm pass (prenorm) is priced beside the
+    l2norm builds' and the faster taken (the tuning pin prenorm narrows it; allow_prenorm False leaves it out)."""
+    if l2norm and allow_prenorm and settings.prenorm is not False:
+        plain = _forward_plan(problem, tag, device, False, want_gate_free_inverse, longest, allow_cp, unordered)
+        # a pinned pass: the in-kernel plans priced as never faster
+        in_kernel = (plain._replace(predicted_us=float("inf")) if settings.prenorm else
+                     _forward_plan(problem, tag, device, True, want_gate_free_inverse, longest, allow_cp, unordered))
+        return planner.cheaper_l2norm(in_kernel, plain, problem.batch * problem.tokens, problem.num_qk_heads,
+                                      problem.head_dim_k)
+    return _forward_plan(problem, tag, device, l2norm, want_gate_free_inverse, longest, allow_cp, unordered)
+
+
+def _forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool, want_gate_free_inverse: bool,
+                  longest: Optional[int], allow_cp: bool, unordered: bool) -> ForwardPlan:
     K, V = problem.head_dim_k, problem.head_dim_v
     forced_l = settings.force_segment_chunks
     fused = (() if want_gate_free_inverse or settings.use_fused is False else
@@ -334,6 +352,15 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
     if unordered and plan.path == "fused" and problem.num_seqs <= planner.FUSED_ORDER_MAX:
         return plan._replace(longest_first=True)
     return plan
+
+
+def l2norm_rows(problem: Problem, q, k, tag: str, stream) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q and k ([B*T, Hq, K], packed) with every row x / sqrt(sum x^2 + eps), by one gdn_l2norm launch."""
+    T = problem.batch * problem.tokens
+    qn, kn = (empty(T, problem.num_qk_heads, problem.head_dim_k, device=q.device, dtype=q.dtype) for _ in range(2))
+    launch(L2NORM_KERNEL, {"dtype": tag, "K": problem.head_dim_k}, q.device, {"T": T, "Hq": problem.num_qk_heads},
+           {"q": q.data_ptr(), "k": k.data_ptr(), "qn": qn.data_ptr(), "kn": kn.data_ptr()}, stream)
+    return qn, kn
 
 
 def _heads_per_cta(problem: Problem, device: torch.device) -> int:

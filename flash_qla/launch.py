@@ -17,6 +17,7 @@ RECOMPUTE_KERNEL = "gdn_bwd_recompute"  # the backward's recompute chain (stores
 CHAIN_KERNEL = "gdn_fwd_chain"           # the forward chain: the output pass and the CP pre-pass (state / trans)
 FUSED_KERNEL = "gdn_fwd_fused"           # the whole forward in one kernel (no CP, no saved intermediates)
 PICK_KERNEL = "gdn_state_pick"           # intra-card CP: each sequence's state from its segments'
+L2NORM_KERNEL = "gdn_l2norm"             # use_qk_l2norm_in_kernel as a pass ahead of the plain kernels
 DTYPE_TAG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 _CACHE: dict = {}  # manifest-derived look-ups, built once per process (the manifest never changes at run time)

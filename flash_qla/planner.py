@@ -185,6 +185,32 @@ CP_FUSED_US = (24.942, 1.116, 2.786, 0.740, 0.411, 31.333, 0.346)
 # quarter of the heads never decay: the benchmark's distribution)
 CP_FUSED_FALLBACK = 0.25
 WARMUP_CHUNKS = 4  # a decaying head's warm-up (the benchmark's g: -3.2 a chunk, to the -10 bound)
+# use_qk_l2norm_in_kernel as a pass of its own (aot/kernels/gdn_l2norm.py: q and k read and written once), then the
+# plain plan: PRENORM_US[0] + PRENORM_US[1] per MB of q and k moved (read and written; 0.395 us a MB is 2.5 TB/s, a
+# copy's rate). Fitted (scripts/plan_fit.py) on each pn_ candidate of an l2norm sweep less the same plan's time in the
+# plain sweep. The l2norm builds normalise algebraically on the fused kernel's aux warpgroup, its bound, and are built
+# at BV = 64 only: at 4 v-heads a q / k head the pass and the plain BV = 128 kernel beat them by 1.26-1.29x where the
+# heads fill the card (H100: TP1-397B 4096x8 1.291 -> 1.014 ms, TP2 8192x4 0.643 -> 0.510); at one v-head a q / k
+# head (2B-TP1) the pass moves as many bytes as v and loses 11-31%
+PRENORM_US = (7.84, 0.395)
+
+
+def prenorm_mb(tokens: int, num_qk_heads: int, head_dim_k: int, itemsize: int = 2) -> float:
+    """The megabytes gdn_l2norm moves: q and k read and written once."""
+    return 4 * tokens * num_qk_heads * head_dim_k * itemsize / 1e6
+
+
+def prenorm_us(tokens: int, num_qk_heads: int, head_dim_k: int) -> float:
+    """gdn_l2norm's predicted time."""
+    return PRENORM_US[0] + PRENORM_US[1] * prenorm_mb(tokens, num_qk_heads, head_dim_k)
+
+
+def cheaper_l2norm(in_kernel: ForwardPlan, plain: ForwardPlan, tokens: int, num_qk_heads: int,
+                   head_dim_k: int) -> ForwardPlan:
+    """An l2norm forward's plan: the l2norm builds' best (in_kernel) or the plain plan after a gdn_l2norm pass,
+    whichever is predicted faster."""
+    pn = plain._replace(prenorm=True, predicted_us=plain.predicted_us + prenorm_us(tokens, num_qk_heads, head_dim_k))
+    return min(in_kernel, pn, key=lambda p: p.predicted_us)
 
 
 class ForwardPlan(NamedTuple):
@@ -196,6 +222,7 @@ class ForwardPlan(NamedTuple):
     predicted_us: float
     fused_ctas: Optional[int] = None  # gdn_fwd_fused's persistent grid cap (None: FUSED_PERSISTENT_CTAS)
     longest_first: bool = False       # gdn_fwd_fused walks the sequences longest first (host lengths out of order)
+    prenorm: bool = False             # use_qk_l2norm_in_kernel by gdn_l2norm ahead of the plain (l2norm = 0) kernels
 
 
 def _fit(table: dict, bv: int) -> tuple:

@@ -32,6 +32,9 @@ class Tuning:
     # The forward's intra-card CP flavour: True on gdn_fwd_fused (flash_qla/fused_cp.py), False on gdn_prepare +
     # gdn_fwd_chain; None: planned (a forced segment length takes the fused flavour where it is built).
     cp_fused: Optional[bool] = None
+    # use_qk_l2norm_in_kernel: True normalises q / k by a gdn_l2norm pass ahead of the plain kernels, False in the
+    # l2norm builds; None: planned (planner.PRENORM_US).
+    prenorm: Optional[bool] = None
     # Fill every output and workspace with NaN (integer tables: their most negative value) before the launches,
     # so an element a kernel fails to write shows.
     poison_outputs: bool = False

@@ -38,8 +38,8 @@ import torch
 
 from flash_qla.planner import (CHAIN_FIT_US, CP_FIT_US, CP_FUSED_US, FUSED_FIT_US, FUSED_PERSISTENT_CTAS,
                                FUSED_STREAM_US, L2NORM_FUSED_FIT_US, L2NORM_PREPARE_US, L2NORM_SHORT_FILL_US, L2NORM_STREAM_US,
-                               PREPARE_FIT_US, ForwardPlan, cp_features, cp_fused_parts, cp_prepare_us, plan_forward,
-                               prepare_features, short_fill_features)
+                               PREPARE_FIT_US, PRENORM_US, ForwardPlan, cheaper_l2norm, cp_features, cp_fused_parts, cp_prepare_us, plan_forward,
+                               prenorm_mb, prepare_features, short_fill_features)
 
 HEAD_DIM_V = 128  # the sweep's shapes (plan_sweep.py: K = V = 128)
 # The CP fits below weigh the candidates within NEAR_BEST of their row's best, among which the planner chooses: fitted
@@ -158,6 +158,21 @@ def split_samples(rows: list, sms: int, one_chunk: bool, chain_fit: dict) -> lis
     return out
 
 
+def prenorm_samples(rows: list) -> list:
+    """(1, megabytes gdn_l2norm moves, the pass's time in us) of every pn_ candidate of an l2norm row whose plain plan
+    was timed in the plain sweep's row of the same set and shape: the pn_ time less that plan's."""
+    plain = {(r["set"], r["shape"]): r for r in rows if not r["l2norm"]}
+    out = []
+    for r in rows:
+        base = plain.get((r["set"], r["shape"]))
+        if not r["l2norm"] or base is None:
+            continue
+        for name, ms in r["candidates"].items():
+            if name.startswith("pn_") and ms is not None and base["candidates"].get(name[3:]) is not None:
+                out.append((1.0, prenorm_mb(r["tokens"], r["hq"], 128), (ms - base["candidates"][name[3:]]) * 1000.0))
+    return out
+
+
 def fit(samples: list, known: bool = False) -> tuple:
     """Least squares on relative error (each row divided by its time): the planner compares plans by ratio, so a
     short shape's 10% matters as much as a long one's. A sample is (features..., time), or with known (features...,
@@ -173,6 +188,8 @@ def fit(samples: list, known: bool = False) -> tuple:
 
 def candidate_name(plan: ForwardPlan) -> str:
     """The sweep's name of a plan (scripts/plan_sweep.py's candidates)."""
+    if plan.prenorm:
+        return "pn_" + candidate_name(plan._replace(prenorm=False))
     if plan.path == "fused":
         return f"fused_bv{plan.block_v}"
     if plan.path == "split":
@@ -202,6 +219,10 @@ def check(rows: list, sms: int, host_lengths: bool, blocks, lengths: dict) -> li
         fused, chain = blocks(r["l2norm"])
         plan = plan_forward(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, fused, chain,
                             cp.SEGMENT_CHUNKS, r["l2norm"], longest=longest)
+        if r["l2norm"] and any(n.startswith("pn_") for n in r["candidates"]):  # the sweep timed the gdn_l2norm pass
+            plain = plan_forward(r["tokens"], r["seqs"], r["hv"], r["hq"], HEAD_DIM_V, sms, blocks(False)[0], chain,
+                                 cp.SEGMENT_CHUNKS, False, longest=longest)
+            plan = cheaper_l2norm(plan, plain, r["tokens"], r["hq"], 128)
         name = candidate_name(plan)
         if name in r["candidates"]:
             out.append((r["candidates"][name] / r["best_ms"], r, name))
@@ -266,6 +287,12 @@ def main() -> None:
         (l2, ), worst_l2 = fit(samples, known=True) if samples else ((0.0, ), 0.0)
         print(f"CP_FIT_US = ({', '.join(f'{c:.3f}' for c in coef + [l2])}) over the CP candidates (worst error "
               f"{worst:.1%}; the l2norm term over {len(samples)} near-best ones, {worst_l2:.1%}); planner now {CP_FIT_US}")
+    samples = prenorm_samples(rows)
+    if len(samples) > 2:  # absolute least squares: the samples are time differences
+        a = torch.tensor([s[:2] for s in samples], dtype=torch.float64)
+        b = torch.tensor([[s[2]] for s in samples], dtype=torch.float64)
+        fixed, per_mb = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+        print(f"PRENORM_US = ({fixed:.2f}, {per_mb:.3f}) over {len(samples)} pn_ candidates; planner now {PRENORM_US}")
     samples = cp_fused_samples(rows, args.sms)
     if len(samples) > len(CP_FUSED_US):
         coef, worst = fit(samples, known=True)

@@ -121,6 +121,17 @@ def shapes(which: str, pass_: str = "fwd"):
 
 
 def candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
+    """Every plan of the shape, as tuning pins by candidate name; with l2norm the l2norm builds' plans and, named
+    pn_<plain name>, the plain plans after the gdn_l2norm pass."""
+    if not l2norm:
+        return plain_candidates(hq, hv, seqlens, False)
+    out = {n: dict(p, prenorm=False) for n, p in plain_candidates(hq, hv, seqlens, True).items()}
+    out.update((f"pn_{n}", dict(p, prenorm=True)) for n, p in plain_candidates(hq, hv, seqlens, False).items())
+    return out
+
+
+def plain_candidates(hq: int, hv: int, seqlens, l2norm: bool) -> dict:
+    """The plans over the fused builds with that l2norm flag, the split chains, and both CP flavours."""
     ratio = hv // hq
     fused = built_blocks(FUSED_KERNEL, "out", "bf16", 128, 128, int(l2norm))
     out = {f"fused_bv{bv}": dict(use_fused=True, force_block_v=bv, force_segment_chunks=0) for bv in fused}

@@ -1,7 +1,8 @@
 """Small cases for compute-sanitizer (memcheck / racecheck / synccheck) on the GPU machine.
 
 usage: python scripts/sanitize_case.py          a varlen forward + backward over every kernel family: split and
-                                                fused forward, CP both ways, l2norm, the persistent chunk kernel,
+                                                fused forward, CP both ways, l2norm (in the kernels and by the
+                                                gdn_l2norm pass), the persistent chunk kernel,
                                                 FLA's fused gate / beta activations (gdn_gate_bwd)
        python scripts/sanitize_case.py tiny     one head, one 64-token chunk + a 5-token one: a racecheck report
                                                 that can be read hazard by hazard
@@ -135,8 +136,9 @@ with torch.no_grad():
         o_cps, _ = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g0, beta.detach(),
                                                     initial_state=h0.detach(), output_final_state=True,
                                                     cu_seqlens=cu)
-    o_cpn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g0, beta.detach(),
-                                                cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    with tuning.override(prenorm=False):
+        o_cpn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g0, beta.detach(),
+                                                    cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 # and the CP backward (recompute with CP, then the dh chain's reverse warm-ups, transitions and combine)
 g0 = g0.requires_grad_(True)
 o_cp2, ht_cp2 = flash_qla.chunk_gated_delta_rule(q, k, v, g0, beta, initial_state=h0, output_final_state=True,
@@ -154,8 +156,9 @@ with torch.no_grad(), tuning.override(use_fused=True):
     tuning.settings.force_block_v = 64
     o_f, ht_f = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                  initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu)
-    o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
-                                               beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    with tuning.override(prenorm=False):
+        o_fn, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
+                                                   beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     # with the lengths on the host (out of order: the longest is last here) the order build ranks them and 5 CTAs
     # walk the sequences longest first
     tuning.settings.force_block_v = 128
@@ -163,6 +166,10 @@ with torch.no_grad(), tuning.override(use_fused=True):
     o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu,
                                                    cu_seqlens_cpu=cu.cpu())
+    # l2norm by the gdn_l2norm pass (323 rows: a partial last block) ahead of the plain BV = 128 build
+    with tuning.override(prenorm=True):
+        o_fp, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
+                                                   beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     tuning.settings.force_block_v = None
     tuning.settings.fused_ctas_max = None
 # FLA's activations in the kernels: raw gate with A_log / dt_bias and beta logits (gdn_prepare stores the activated
@@ -178,6 +185,7 @@ o_g, _ = flash_qla.chunk_gated_delta_rule(q, k, vg, g_raw, b_raw, cu_seqlens=cu,
 grads_g = torch.autograd.grad(o_g, [g_raw, b_raw, A_log, dt_bias], torch.randn_like(o_g))
 torch.cuda.synchronize()
 print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()),
+      float(o_fp.float().abs().sum()),
       float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
 print("gate case", [float(d.float().abs().sum()) for d in grads_g])
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])

@@ -1,6 +1,8 @@
 """sm_90a forward kernels against the float64 reference on fresh random inputs (GPU machine only)."""
 import itertools
 
+import types
+
 import pytest
 import torch
 
@@ -125,14 +127,17 @@ def test_prepare_heads_per_cta_agree(tag, K, monkeypatch):
             assert torch.equal(A, results[0][2]), hpc
 
 
+@pytest.mark.parametrize("prenorm", [False, True])
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("variant", variants())
-def test_fused_l2norm_matches_fp64_reference(variant, path, monkeypatch):
+def test_fused_l2norm_matches_fp64_reference(variant, path, prenorm, monkeypatch):
     """use_qk_l2norm_in_kernel on unnormalised q / k (norms ~3 and ~0.5): gdn_prepare normalises the tiles
     it loads and hands them to the output pass (GVA group of 3, so one v-head stores each group's rows), or
-    gdn_fwd_fused applies 1 / |q_i|, 1 / |k_i| (from Q Q^T's and K K^T's diagonals) as scalings."""
+    gdn_fwd_fused applies 1 / |q_i|, 1 / |k_i| (from Q Q^T's and K K^T's diagonals) as scalings; with prenorm a
+    gdn_l2norm pass normalises q / k for the plain builds of either path (the fused one at BV = 128 too)."""
     tag, K, V, BV = variant
     pin_path(monkeypatch, path, BV)
+    monkeypatch.setattr(settings, "prenorm", prenorm)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
     x = draw(LENGTHS["mixed"], 2, 6, K, V, dtype, seed=K + V + 5)
     x["q"], x["k"] = (x["q"].float() * 3).to(dtype), (x["k"].float() * 0.5).to(dtype)
@@ -142,6 +147,30 @@ def test_fused_l2norm_matches_fp64_reference(variant, path, monkeypatch):
     o_ref, ht_ref = reference.chunked_gated_delta_rule(**d, output_final_state=True, cu_seqlens=x["cu_seqlens"].cpu(),
                                                        use_qk_l2norm_in_kernel=True)
     assert reference.relative_l2(o, o_ref) <= TOL[dtype] and reference.relative_l2(ht, ht_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("tag", ["bf16", "fp16"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_l2norm_pass_rounds_each_row_once(tag, K):
+    """gdn_l2norm: every row x / sqrt(sum x^2 + eps) in fp32, one rounding (within one unit of the last place of the
+    fp64 value's rounding), on T not a multiple of 64 (the last block partial), each row written (NaN-poisoned
+    outputs), repeats bit-identical."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    T, Hq = 64 * 5 + 37, 3
+    gen = torch.Generator(device="cuda").manual_seed(K + T)
+    q = (torch.randn(T, Hq, K, device="cuda", generator=gen) * 3).to(dtype)
+    k = (torch.randn(T, Hq, K, device="cuda", generator=gen) * 0.01).to(dtype)
+    k[5, 1] = 0  # a zero row stays zero (eps)
+    problem = types.SimpleNamespace(batch=1, tokens=T, num_qk_heads=Hq, head_dim_k=K)
+    qn, kn = fwd.l2norm_rows(problem, q, k, tag, torch.cuda.current_stream().cuda_stream)
+    again = fwd.l2norm_rows(problem, q, k, tag, torch.cuda.current_stream().cuda_stream)
+    for x, y, y2 in ((q, qn, again[0]), (k, kn, again[1])):
+        assert torch.isfinite(y).all() and torch.equal(y, y2)
+        want = x.double() / torch.sqrt((x.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+        # one unit in the last place: 2^-7 / 2^-10 of the value, and fp16's subnormal spacing near zero
+        ulp = (want.abs() * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)).clamp_min(2.0 ** -24)
+        assert ((y.double() - want).abs() <= ulp).all()
+    assert (kn[5, 1] == 0).all()
 
 
 def test_dense_batch_and_scale_and_l2norm():

@@ -171,8 +171,9 @@ def test_fused_forward_walks_the_longest_sequences_first(monkeypatch, lengths, h
     launch = fwd.launch
     monkeypatch.setattr(fwd, "launch", lambda name, variant, dev, sz, *a: (orders.append(variant.get("order")),
                                                                            launch(name, variant, dev, sz, *a)))
+    # the l2norm builds' own order build (prenorm off: not the plain builds after a gdn_l2norm pass)
     with torch.no_grad(), override(use_fused=True, force_block_v=bv, force_segment_chunks=0, fused_ctas_max=ctas,
-                                   replay=False):
+                                   replay=False, prenorm=False):
         ordered = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens_cpu=cu_cpu,
                                                    use_qk_l2norm_in_kernel=l2norm)
         in_batch_order = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
