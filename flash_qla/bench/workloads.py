@@ -15,17 +15,19 @@ from .inputs import BenchInputs, draw_inputs
 from .matrix import BenchRow, iter_rows, load_matrix
 
 
-def forward_call(x: BenchInputs, backend: str) -> Callable[[], object]:
+def forward_call(x: BenchInputs, backend: str, l2norm: bool = False) -> Callable[[], object]:
     """The user-facing forward, as an inference caller runs it (no autograd bookkeeping), with the host copy of the
     offsets (FLA's cu_seqlens_cpu keyword, which the caller that built the batch has): the forward is then planned from
-    the longest sequence instead of equal lengths (planner.plan_forward)."""
+    the longest sequence instead of equal lengths (planner.plan_forward). l2norm: use_qk_l2norm_in_kernel (as
+    transformers' Qwen3-Next layers call it)."""
     cu_cpu = x.cu_seqlens.cpu()
 
     def run():
         with torch.no_grad():
             return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
                                                     output_final_state=True, cu_seqlens=x.cu_seqlens,
-                                                    cu_seqlens_cpu=cu_cpu, backend=backend)
+                                                    cu_seqlens_cpu=cu_cpu, backend=backend,
+                                                    use_qk_l2norm_in_kernel=l2norm)
     return run
 
 
@@ -49,13 +51,14 @@ def backward_call(x: BenchInputs, g_cumsum: torch.Tensor, A: torch.Tensor, backe
     return run
 
 
-def forward_rows(wants: Sequence[str], backend: str = "kernels") -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
+def forward_rows(wants: Sequence[str], backend: str = "kernels",
+                 l2norm: bool = False) -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
     """(row, inputs, the timed forward call) for each forward row of the standard matrix whose key contains one of
     wants (the experiment scripts' row selection)."""
     for row in iter_rows(load_matrix(), ("fwd",), ""):
         if any(w in row.key for w in wants):
             x = draw_inputs(row, "cuda")
-            yield row, x, forward_call(x, backend)
+            yield row, x, forward_call(x, backend, l2norm)
 
 
 def backward_rows(wants: Sequence[str], backend: str = "kernels") -> Iterator[Tuple[BenchRow, BenchInputs, Callable]]:
