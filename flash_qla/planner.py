@@ -70,14 +70,15 @@ def plan_heads_per_cta(chunk_slots: int, num_v_heads: int, num_qk_heads: int, nu
 
 
 # use_qk_l2norm_in_kernel (H100 fits, scripts/plan_sweep.py --l2norm, scripts/plan_fit.py): gdn_fwd_fused's l2norm
-# build (Q Q^T and the norms' scalings on its aux warpgroup) has fits of its own, L2NORM_FUSED_FIT_US as FUSED_FIT_US
+# builds (the norms' scalings on its aux warpgroup: |q|^2 from Q Q^T at BV = 64, from row sums at BV = 128, 4.07 us a
+# chunk against the plain build's 2.92) have fits of their own, L2NORM_FUSED_FIT_US as FUSED_FIT_US
 # and L2NORM_STREAM_US as FUSED_STREAM_US; gdn_prepare normalises (and stores) each chunk's q / k rows once per q / k
 # head, L2NORM_PREPARE_US per (chunk slot, q / k head) spread over the SMs. On batches of one-chunk sequences the
 # split plan moves with the chunk's fill by L2NORM_SHORT_FILL_US = (a, b): (a + b x fill) us per round of (sequence,
 # v-head) pairs over the SMs, below the multi-chunk fit at 16 tokens and above it at 64 (without it the planner took
 # prepare + chain at 1.44x the fused kernel's time on 128 sequences of 64 tokens at 4 v-heads)
-L2NORM_FUSED_FIT_US = {64: (2.510, 7.01)}
-L2NORM_STREAM_US = {64: (5.575, -0.263, 3.131, 2.403)}
+L2NORM_FUSED_FIT_US = {64: (2.521, 6.92), 128: (4.074, 10.12)}
+L2NORM_STREAM_US = {64: (5.606, -0.307, 2.906, 2.403), 128: (8.432, 1.009, 3.331, 3.930)}
 L2NORM_SHORT_FILL_US = (-3.929, 3.569)
 L2NORM_PREPARE_US = 3.71
 
@@ -172,7 +173,7 @@ PREPARE_FIT_US = (3.619, 9.625, 19.63)
 # l2norm rows' candidates within plan_fit.NEAR_BEST of their best with the plain terms held: without it the split CP
 # was priced as if gdn_prepare's normalising were its only l2norm cost and took it over the fused CP at up to 1.19x the
 # best plan (8 mixed lengths at 2 / 4 heads; 4 / 8 heads on 1x16384 and 14336 + 2048 at 1.10-1.12x)
-CP_FIT_US = (2.276, -4.390, 17.005, 1.960, -0.414, 0.557, 0.107)
+CP_FIT_US = (2.276, -4.390, 17.005, 1.960, -0.414, 0.557, 0.064)
 # intra-card CP on the fused kernel (flash_qla/fused_cp.py) beyond its out pass (the fused kernel's own model on the
 # segments as sequences), over cp_fused_parts' features: (fixed: gdn_plan, gdn_cp_scan's and gdn_cp_plan's latency,
 # the launches; per chunk of a fallback head's state / transition chain over a whole segment; per chunk of the
@@ -180,7 +181,7 @@ CP_FIT_US = (2.276, -4.390, 17.005, 1.960, -0.414, 0.557, 0.107)
 # pairs over the SMs: each item's ramp in the pre-pass and the out pass; with l2norm, the pre-pass chunks again: its
 # builds normalise each v-head's q / k rows). A least-squares fit over the candidates within plan_fit.NEAR_BEST of
 # their row's best (scripts/plan_fit.py)
-CP_FUSED_US = (24.942, 1.116, 2.786, 0.740, 0.411, 31.333, 0.346)
+CP_FUSED_US = (26.173, 1.077, 2.825, 0.688, 0.431, 30.688, 0.304)
 # the share of (segment, v-head) pairs whose decay leaves them to the exact transition, as the fit's inputs have it (a
 # quarter of the heads never decay: the benchmark's distribution)
 CP_FUSED_FALLBACK = 0.25
@@ -188,10 +189,10 @@ WARMUP_CHUNKS = 4  # a decaying head's warm-up (the benchmark's g: -3.2 a chunk,
 # use_qk_l2norm_in_kernel as a pass of its own (aot/kernels/gdn_l2norm.py: q and k read and written once), then the
 # plain plan: PRENORM_US[0] + PRENORM_US[1] per MB of q and k moved (read and written; 0.395 us a MB is 2.5 TB/s, a
 # copy's rate). Fitted (scripts/plan_fit.py) on each pn_ candidate of an l2norm sweep less the same plan's time in the
-# plain sweep. The l2norm builds normalise algebraically on the fused kernel's aux warpgroup, its bound, and are built
-# at BV = 64 only: at 4 v-heads a q / k head the pass and the plain BV = 128 kernel beat them by 1.26-1.29x where the
-# heads fill the card (H100: TP1-397B 4096x8 1.291 -> 1.014 ms, TP2 8192x4 0.643 -> 0.510); at one v-head a q / k
-# head (2B-TP1) the pass moves as many bytes as v and loses 11-31%
+# plain sweep. The l2norm builds normalise algebraically on the fused kernel's aux warpgroup, its bound: at 4 v-heads
+# a q / k head the pass and the plain BV = 128 kernel beat them where the heads fill the card (H100: TP1-397B 4096x8
+# 1.29 ms at BV = 64, 1.06 at BV = 128, 1.014 with the pass; TP2 8192x4 0.645 / 0.533 / 0.510); at one v-head a q / k
+# head (2B-TP1) the pass moves as many bytes as v and the l2norm build at BV = 128 is fastest (4096x8 0.269 ms)
 PRENORM_US = (7.84, 0.395)
 
 

@@ -166,10 +166,15 @@ with torch.no_grad(), tuning.override(use_fused=True):
     o_f2, ht_f2 = flash_qla.chunk_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
                                                    initial_state=h0.detach(), output_final_state=True, cu_seqlens=cu,
                                                    cu_seqlens_cpu=cu.cpu())
-    # l2norm by the gdn_l2norm pass (323 rows: a partial last block) ahead of the plain BV = 128 build
+    # l2norm by the gdn_l2norm pass (323 rows: a partial last block) ahead of the plain BV = 128 build, and in the
+    # BV = 128 l2norm build (q's norms by row sums on the aux warpgroup), its order build too
     with tuning.override(prenorm=True):
         o_fp, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
                                                    beta.detach(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    with tuning.override(prenorm=False):
+        o_fn2, _ = flash_qla.chunk_gated_delta_rule(q.detach() * 3, k.detach() * 0.5, v.detach(), g.detach(),
+                                                    beta.detach(), cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+                                                    use_qk_l2norm_in_kernel=True)
     tuning.settings.force_block_v = None
     tuning.settings.fused_ctas_max = None
 # FLA's activations in the kernels: raw gate with A_log / dt_bias and beta logits (gdn_prepare stores the activated
@@ -185,7 +190,7 @@ o_g, _ = flash_qla.chunk_gated_delta_rule(q, k, vg, g_raw, b_raw, cu_seqlens=cu,
 grads_g = torch.autograd.grad(o_g, [g_raw, b_raw, A_log, dt_bias], torch.randn_like(o_g))
 torch.cuda.synchronize()
 print("fused case", float(o_f.float().abs().sum()), float(ht_f.abs().sum()), float(o_fn.float().abs().sum()),
-      float(o_fp.float().abs().sum()),
+      float(o_fp.float().abs().sum()), float(o_fn2.float().abs().sum()),
       float((o_f2.float() - o_f.float()).abs().max()), float((ht_f2 - ht_f).abs().max()))
 print("gate case", [float(d.float().abs().sum()) for d in grads_g])
 print("l2norm case", [float(d.float().abs().sum()) for d in grads_n])

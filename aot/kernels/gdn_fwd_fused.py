@@ -51,13 +51,14 @@ from .state_io import READ_INDEXED, V_FIRST, WRITE_INDEXED
 C = 64
 # BV = 128 (two consumer warpgroups) took 4.5 us a chunk while the state copy lived in registers (the aux got 72 and
 # spilled); with it in shared memory 3.44 us (H200)
-# l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling)
+# l2norm (use_qk_l2norm_in_kernel) is a build of its own: its branch in the plain build cost ~6% (ptxas scheduling);
+# BV = 128 makes |q_i|^2 by a row sum where BV = 64 takes Q Q^T's diagonal (the aux's registers)
 # order: 1 walks the sequences longest first (a build of its own: the ranking and the table look-ups in the plain
 # build cost 1-3% on one-item CTAs, H100 kernel_ab, whatever the batch's order)
 # mode: "out", the forward; "state" / "trans", intra-card CP's pre-pass builds (docstring, one V block of 64)
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [64, 128], "l2norm": [0, 1],
             "order": [0, 1], "mode": ["out", "state", "trans"]}
-VARIANT_RULE = ("BV <= V and (BV == 64 or l2norm == 0) and (mode == 'out' or (BV == 64 and order == 0)) "
+VARIANT_RULE = ("BV <= V and (mode == 'out' or (BV == 64 and order == 0)) "
                 "and (mode != 'trans' or V == K)")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Every barrier is written out below (TileLang's pass would put CTA-wide ones between warpgroups that never meet)
@@ -315,7 +316,11 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, 
                 dot = T.alloc_local((1,), "float32")
                 xt = T.alloc_local((8,), "float32")
                 yacc = T.alloc_local((8,), "float32")
-                qq = T.alloc_fragment((C, C), "float32") if l2norm and output else None
+                # |q_i|^2: Q Q^T's diagonal at BV = 64; at BV = 128 the aux has no registers for that accumulator, and a
+                # row sum of q's tile (one thread a row, on the aux's critical path: ~15% slower at BV = 64) takes
+                # its place
+                qq = T.alloc_fragment((C, C), "float32") if l2norm and output and NC == 1 else None
+                qv = T.alloc_local((8,), dt) if l2norm and output and NC > 1 else None
                 gate = T.alloc_fragment((C, C), "float32")
                 # Agb's blocks above the diagonal blocks are never written by the inverse: zero, once per stage
                 for st_, i, j in T.Parallel(stages, C, C):
@@ -351,18 +356,33 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, 
                         # use_qk_l2norm_in_kernel without a pass over the tiles: |k_i|^2 is K K^T's diagonal, |q_i|^2
                         # Q Q^T's; the products take the factors as row / column scalings and the chain as per-token
                         # ones (eg, et by 1 / |k_i|, egq by 1 / |q_i|), exactly the normalised rows' algebra
-                        T.wgmma_gemm(q_s[s, :, :], q_s[s, :, :], qq, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(qq, num_regs=C * C // 128)
-                        for i, j in T.Parallel(C, C):
-                            if i == j:
-                                rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
-                                rn_s[1, i] = T.rsqrt(qq[i, j] + L2NORM_EPS)
+                        if NC == 1:  # compile time
+                            T.wgmma_gemm(q_s[s, :, :], q_s[s, :, :], qq, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(qq, num_regs=C * C // 128)
+                            for i, j in T.Parallel(C, C):
+                                if i == j:
+                                    rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                                    rn_s[1, i] = T.rsqrt(qq[i, j] + L2NORM_EPS)
+                        else:
+                            if tid < C:
+                                dot[0] = 0.0
+                                for d0 in T.serial(K // 8):
+                                    for u in T.vectorized(8):
+                                        qv[u] = q_s[s, tid, d0 * 8 + u]
+                                    for u in T.unroll(8):
+                                        dot[0] += T.cast(qv[u], "float32") * T.cast(qv[u], "float32")
+                                rn_s[1, tid] = T.rsqrt(dot[0] + L2NORM_EPS)
+                            for i, j in T.Parallel(C, C):
+                                if i == j:
+                                    rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
                         T.sync_threads(AUX_BARRIER, 128)
-                        # every load before the stores below: row and column factors into the accumulators
+                        # every load before the stores below: row and column factors into the accumulators (Q K^T's,
+                        # at BV = 128 made after K K^T's store in the same accumulator, where it is gated)
                         for i, j in T.Parallel(C, C):
                             kk[i, j] = kk[i, j] * (rn_s[0, i] * rn_s[0, j])
-                            qk[i, j] = qk[i, j] * (rn_s[1, i] * rn_s[0, j])
+                            if NC == 1:  # compile time
+                                qk[i, j] = qk[i, j] * (rn_s[1, i] * rn_s[0, j])
                         if tid < C:
                             egq_s[s, tid] = eg_s[s, tid] * rn_s[1, tid]
                             eg_s[s, tid] = eg_s[s, tid] * rn_s[0, tid]
@@ -378,8 +398,12 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, 
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
                     if output:  # compile time
-                        for i, j in T.Parallel(C, C):
-                            qk[i, j] = qk[i, j] * gate[i, j] * scale
+                        if l2norm and NC > 1:  # compile time
+                            for i, j in T.Parallel(C, C):
+                                qk[i, j] = qk[i, j] * gate[i, j] * (scale * rn_s[1, i] * rn_s[0, j])
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                qk[i, j] = qk[i, j] * gate[i, j] * scale
                         # P rounded and stored by stmatrix (four a thread where 4-byte stores took sixteen)
                         for jj in T.unroll(C // 16):
                             row, col = block_rows(tid % 32, 16 * (tid // 32), 16 * jj)
