@@ -319,11 +319,11 @@ def forward_plan(problem: Problem, tag: str, device: torch.device, l2norm: bool,
     l2norm builds' and the faster taken (the tuning pin prenorm narrows it; allow_prenorm False leaves it out)."""
     if l2norm and allow_prenorm and settings.prenorm is not False:
         plain = _forward_plan(problem, tag, device, False, want_gate_free_inverse, longest, allow_cp, unordered)
-        # a pinned pass: the in-kernel plans priced as never faster
-        in_kernel = (plain._replace(predicted_us=float("inf")) if settings.prenorm else
-                     _forward_plan(problem, tag, device, True, want_gate_free_inverse, longest, allow_cp, unordered))
-        return planner.cheaper_l2norm(in_kernel, plain, problem.batch * problem.tokens, problem.num_qk_heads,
-                                      problem.head_dim_k)
+        sizes = (problem.batch * problem.tokens, problem.num_qk_heads, problem.head_dim_k)
+        if settings.prenorm:  # pinned: the pass, whatever the l2norm builds would cost
+            return planner.after_prenorm(plain, *sizes)
+        in_kernel = _forward_plan(problem, tag, device, True, want_gate_free_inverse, longest, allow_cp, unordered)
+        return planner.cheaper_l2norm(in_kernel, plain, *sizes)
     return _forward_plan(problem, tag, device, l2norm, want_gate_free_inverse, longest, allow_cp, unordered)
 
 

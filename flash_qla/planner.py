@@ -206,12 +206,17 @@ def prenorm_us(tokens: int, num_qk_heads: int, head_dim_k: int) -> float:
     return PRENORM_US[0] + PRENORM_US[1] * prenorm_mb(tokens, num_qk_heads, head_dim_k)
 
 
+def after_prenorm(plain: ForwardPlan, tokens: int, num_qk_heads: int, head_dim_k: int) -> ForwardPlan:
+    """The plain plan run after a gdn_l2norm pass, priced with it."""
+    return plain._replace(prenorm=True,
+                          predicted_us=plain.predicted_us + prenorm_us(tokens, num_qk_heads, head_dim_k))
+
+
 def cheaper_l2norm(in_kernel: ForwardPlan, plain: ForwardPlan, tokens: int, num_qk_heads: int,
                    head_dim_k: int) -> ForwardPlan:
     """An l2norm forward's plan: the l2norm builds' best (in_kernel) or the plain plan after a gdn_l2norm pass,
     whichever is predicted faster."""
-    pn = plain._replace(prenorm=True, predicted_us=plain.predicted_us + prenorm_us(tokens, num_qk_heads, head_dim_k))
-    return min(in_kernel, pn, key=lambda p: p.predicted_us)
+    return min(in_kernel, after_prenorm(plain, tokens, num_qk_heads, head_dim_k), key=lambda p: p.predicted_us)
 
 
 class ForwardPlan(NamedTuple):
