@@ -342,29 +342,16 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, 
                     T.warpgroup_fence_operand(kk, num_regs=C * C // 128)
                     if NC == 1 and output:
                         T.warpgroup_fence_operand(qk, num_regs=C * C // 128)
-                    if l2norm and not output:  # compile time: the pre-pass builds need only |k_i|
-                        for i, j in T.Parallel(C, C):
-                            if i == j:
-                                rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
-                        T.sync_threads(AUX_BARRIER, 128)
-                        for i, j in T.Parallel(C, C):
-                            kk[i, j] = kk[i, j] * (rn_s[0, i] * rn_s[0, j])
-                        if tid < C:
-                            eg_s[s, tid] = eg_s[s, tid] * rn_s[0, tid]
-                            et_s[s, tid] = et_s[s, tid] * rn_s[0, tid]
-                    if l2norm and output:  # compile time
+                    if l2norm:  # compile time
                         # use_qk_l2norm_in_kernel without a pass over the tiles: |k_i|^2 is K K^T's diagonal, |q_i|^2
-                        # Q Q^T's; the products take the factors as row / column scalings and the chain as per-token
-                        # ones (eg, et by 1 / |k_i|, egq by 1 / |q_i|), exactly the normalised rows' algebra
-                        if NC == 1:  # compile time
+                        # Q Q^T's (BV = 64) or a row sum of q's tile (BV = 128); the products take the factors as row /
+                        # column scalings and the chain as per-token ones (eg, et by 1 / |k_i|, egq by 1 / |q_i|),
+                        # exactly the normalised rows' algebra. The pre-pass builds need only |k_i|.
+                        if output and NC == 1:  # compile time
                             T.wgmma_gemm(q_s[s, :, :], q_s[s, :, :], qq, transpose_B=True, clear_accum=True)
                             T.wait_wgmma(0)
                             T.warpgroup_fence_operand(qq, num_regs=C * C // 128)
-                            for i, j in T.Parallel(C, C):
-                                if i == j:
-                                    rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
-                                    rn_s[1, i] = T.rsqrt(qq[i, j] + L2NORM_EPS)
-                        else:
+                        if output and NC > 1:  # compile time
                             if tid < C:
                                 dot[0] = 0.0
                                 for d0 in T.serial(K // 8):
@@ -373,18 +360,21 @@ def build(dtype: str, K: int, V: int, BV: int, l2norm: int = 0, order: int = 0, 
                                     for u in T.unroll(8):
                                         dot[0] += T.cast(qv[u], "float32") * T.cast(qv[u], "float32")
                                 rn_s[1, tid] = T.rsqrt(dot[0] + L2NORM_EPS)
-                            for i, j in T.Parallel(C, C):
-                                if i == j:
-                                    rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                        for i, j in T.Parallel(C, C):
+                            if i == j:
+                                rn_s[0, i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                                if output and NC == 1:  # compile time
+                                    rn_s[1, i] = T.rsqrt(qq[i, j] + L2NORM_EPS)
                         T.sync_threads(AUX_BARRIER, 128)
                         # every load before the stores below: row and column factors into the accumulators (Q K^T's,
                         # at BV = 128 made after K K^T's store in the same accumulator, where it is gated)
                         for i, j in T.Parallel(C, C):
                             kk[i, j] = kk[i, j] * (rn_s[0, i] * rn_s[0, j])
-                            if NC == 1:  # compile time
+                            if output and NC == 1:  # compile time
                                 qk[i, j] = qk[i, j] * (rn_s[1, i] * rn_s[0, j])
                         if tid < C:
-                            egq_s[s, tid] = eg_s[s, tid] * rn_s[1, tid]
+                            if output:  # compile time
+                                egq_s[s, tid] = eg_s[s, tid] * rn_s[1, tid]
                             eg_s[s, tid] = eg_s[s, tid] * rn_s[0, tid]
                             et_s[s, tid] = et_s[s, tid] * rn_s[0, tid]
                     # The gated K K^T: the inverse of I + strictLower(diag(beta) (Gamma * K K^T)) is Gamma * A (the
