@@ -35,6 +35,7 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 import tilelang.language as T
 
 from .common import L2NORM_EPS
+from .workspaces import use_canonical_workspaces
 
 C = 64
 BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
@@ -49,6 +50,9 @@ LOG2E = 1.4426950408889634
 
 
 def build(dtype: str, K: int, V: int):
+    # seven reductions share out seven workspaces in an order TileLang 0.1.15 does not keep from one lowering to the
+    # next: put in a canonical order, every build of this source gives the same cubin (aot/kernels/workspaces.py)
+    use_canonical_workspaces()
     dt = DTYPES[dtype]
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
@@ -364,7 +368,7 @@ def build(dtype: str, K: int, V: int):
                         # enters neither that row's sum nor the total (et_s is 0 there; as a + and a - of one O(1)
                         # value summed in two orders it left dg an absolute error ~1e-6 under strong decay, where dg
                         # is ~1e-13) but joins dk (etd_s is 1 there). A row mask multiplies it out of the sums: a
-                        # per-element select of dk's extra term on row valid - 1 instead cost the chunk kernel 2-3%
+                        # per-element select of dk's extra term on row valid - 1 instead cost the chunk kernel ~2%
                         et_part[0] = 0.0
                         for i, d in T.Parallel(C, K):
                             dqf[i, d] = dqf[i, d] * (scale * eg_s[i])
