@@ -21,8 +21,8 @@ import torch
 from . import cp, fused_cp, planner
 from .gates import BETA_SIGMOID, NO_GATE, KernelGate
 from .chunk_grads import token_positions
-from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, L2NORM_KERNEL, RECOMPUTE_KERNEL, address, built_blocks,
-                     current_stream, dense, empty, join, launch, num_sms, packed, side_stream)
+from .launch import (CHAIN_KERNEL, CHUNK, DTYPE_TAG, FUSED_KERNEL, L2NORM_KERNEL, RECOMPUTE_KERNEL, address,
+                     built_blocks, current_stream, dense, empty, join, launch, num_sms, packed, side_stream)
 from .planner import (FUSED_PERSISTENT_CTAS, OUT_CHAIN_COST, STAGED_CHAIN_COST, ForwardPlan, chain_skew,
                       plan_block_v, plan_forward, plan_heads_per_cta, plan_irregular_block_v)
 from .states import PLAIN_IO, StateIO
