@@ -41,7 +41,7 @@ def _versions() -> Dict[str, Any]:
 
 
 def _manifest_summary(lib) -> Dict[str, Any]:
-    m = lib.manifest
+    m = lib.manifest.validate()  # every kernel's launch rules, which a launch alone checks only for its kernel
     families = {}
     for fam, entries in sorted(m.families.items()):
         axes: Dict[str, List[Any]] = {}

@@ -86,7 +86,7 @@ class Kernel:
     ``signature`` (bytes, one char per parameter), ``block``, ``smem``.
     """
 
-    __slots__ = ("library", "entry", "key", "name", "variant", "signature", "block", "smem", "_functions",
+    __slots__ = ("library", "entry", "key", "name", "variant", "block", "smem", "_signature", "_functions",
                  "_builder", "_launch")
 
     def __init__(self, library: "KernelLibrary", entry: KernelEntry):
@@ -95,7 +95,7 @@ class Kernel:
         self.key = entry.key
         self.name = entry.kernel
         self.variant = dict(entry.variant)
-        self.signature = entry.signature
+        self._signature: Optional[bytes] = None  # from the launch rules, read (and validated) at first use
         self.block = tuple(entry.block)
         self.smem = entry.smem
         self._functions: Dict[int, int] = {}
@@ -104,6 +104,13 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.key!r}, symbol={self.entry.symbol!r}, loaded_on={sorted(self._functions)})"
+
+    @property
+    def signature(self) -> bytes:
+        sig = self._signature
+        if sig is None:
+            sig = self._signature = self.entry.signature
+        return sig
 
     # -- arguments -----------------------------------------------------------------------------------------
     @property
@@ -217,7 +224,8 @@ class KernelLibrary:
                     if not path.is_file():
                         raise ManifestError("<document>", "manifest.json not found: this installation has no "
                                             "prebuilt kernels (the package data is missing)", str(path))
-                    self._manifest = _manifest.load_manifest(path)
+                    # each kernel's launch rules are validated at its first launch (info validates them all)
+                    self._manifest = _manifest.load_manifest(path, lazy=True)
                     for e in self._manifest.kernels:
                         k = Kernel(self, e)
                         self._by_key[e.key] = k

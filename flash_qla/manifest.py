@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ManifestError
 
-__all__ = ["FORMAT_VERSION", "PARAM_KINDS", "Expr", "Toolchain", "Param", "KernelEntry", "Manifest",
+__all__ = ["FORMAT_VERSION", "PARAM_KINDS", "Expr", "Toolchain", "Param", "LaunchRules", "KernelEntry", "Manifest",
            "parse_manifest", "load_manifest", "compile_expr", "evaluate", "compile_arg_builder", "ceil_div",
            "arch_capability"]
 
@@ -214,6 +214,44 @@ class Param:
     oob_fill: int = 0
 
 
+class LaunchRules:
+    """A kernel's grid and parameter rules, validated when first read. The runtime loader parses each kernel's
+    rules at its first launch: a process's first call then validates the few kernels it runs, not all of them
+    (the whole manifest's ~6000 parameters took ~170 ms of that call). A malformed rule raises the same
+    ManifestError, naming the same field, as an up-front parse (``Manifest.validate``)."""
+
+    __slots__ = ("_raw", "_parsed")
+
+    def __init__(self, raw: Any, parsed: Optional[Tuple[Tuple[Expr, ...], Tuple["Param", ...]]] = None):
+        self._raw = raw          # (validator, kernel object, field path), until parsed
+        self._parsed = parsed
+
+    def _get(self) -> Tuple[Tuple[Expr, ...], Tuple["Param", ...]]:
+        parsed = self._parsed
+        if parsed is None:  # two threads may both parse: the same result, assigned whole
+            p, obj, path = self._raw
+            parsed = self._parsed = _parse_rules(p, obj, path)
+            self._raw = None
+        return parsed
+
+    @property
+    def grid(self) -> Tuple[Expr, ...]:
+        return self._get()[0]
+
+    @property
+    def params(self) -> Tuple["Param", ...]:
+        return self._get()[1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LaunchRules) and self._get() == other._get()
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return "LaunchRules(unparsed)" if self._parsed is None else f"LaunchRules{self._parsed!r}"
+
+
 @dataclass(frozen=True)
 class KernelEntry:
     key: str
@@ -225,13 +263,20 @@ class KernelEntry:
     symbol: str
     block: Tuple[int, int, int]
     smem: int
-    grid: Tuple[Expr, Expr, Expr]
-    params: Tuple[Param, ...]
+    rules: LaunchRules = field(repr=False)
     registers: Optional[int] = None
     spills: Optional[int] = None
     cubin_bytes: Optional[int] = None
     compile_seconds: Optional[float] = None
     shared_carveout: Optional[int] = None  # percent of the SM's L1 / shared memory as shared (None: the driver's)
+
+    @property
+    def grid(self) -> Tuple[Expr, ...]:
+        return self.rules.grid
+
+    @property
+    def params(self) -> Tuple[Param, ...]:
+        return self.rules.params
 
     @property
     def signature(self) -> bytes:
@@ -293,6 +338,12 @@ class Manifest:
     @property
     def total_cubin_bytes(self) -> int:
         return sum(k.cubin_bytes or 0 for k in self.kernels)
+
+    def validate(self) -> "Manifest":
+        """Parse every kernel's launch rules now (a manifest read with lazy=True defers them to first use)."""
+        for k in self.kernels:
+            k.rules.params
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,7 +429,7 @@ def _parse_param(p: _P, obj: Any, path: str) -> Param:
         oob_fill=p.int_(obj, "oob_fill", path, lo=0, hi=15))
 
 
-def _parse_kernel(p: _P, obj: Any, path: str) -> KernelEntry:
+def _parse_kernel(p: _P, obj: Any, path: str, lazy: bool = False) -> KernelEntry:
     if not isinstance(obj, dict):
         p.fail(path, f"must be an object, got {type(obj).__name__}")
     key = p.str_(obj, "key", path)
@@ -406,6 +457,20 @@ def _parse_kernel(p: _P, obj: Any, path: str) -> KernelEntry:
     if block[0] * block[1] * block[2] > 1024:
         p.fail(f"{path}.block", f"{block} has more than 1024 threads")
     smem = p.int_(obj, "smem", path, lo=0, hi=1 << 30)
+    rules = LaunchRules((p, obj, path)) if lazy else LaunchRules(None, _parse_rules(p, obj, path))
+    registers = p.int_(obj, "registers", path, required=False, lo=0)
+    spills = p.int_(obj, "spills", path, required=False, lo=0)
+    cubin_bytes = p.int_(obj, "cubin_bytes", path, required=False, lo=0)
+    cs = obj.get("compile_seconds")
+    if cs is not None and (isinstance(cs, bool) or not isinstance(cs, (int, float))):
+        p.fail(f"{path}.compile_seconds", f"must be a number, got {cs!r}")
+    carveout = p.int_(obj, "shared_carveout", path, required=False, lo=0, hi=100)
+    return KernelEntry(key, kernel, dict(variant), file, sha.lower(), source_hash, symbol, tuple(block), smem,
+                       rules, registers, spills, cubin_bytes, cs, carveout)  # type: ignore[arg-type]
+
+
+def _parse_rules(p: _P, obj: Mapping, path: str) -> Tuple[Tuple[Expr, ...], Tuple[Param, ...]]:
+    """A kernel object's grid and params."""
     grid = p.expr_list(obj, "grid", path, 3)
     params_raw = p.get(obj, "params", path)
     if not isinstance(params_raw, list):
@@ -416,19 +481,12 @@ def _parse_kernel(p: _P, obj: Any, path: str) -> KernelEntry:
         if prm.name in seen:
             p.fail(f"{path}.params[{i}].name", f"duplicate parameter name {prm.name!r}")
         seen.add(prm.name)
-    registers = p.int_(obj, "registers", path, required=False, lo=0)
-    spills = p.int_(obj, "spills", path, required=False, lo=0)
-    cubin_bytes = p.int_(obj, "cubin_bytes", path, required=False, lo=0)
-    cs = obj.get("compile_seconds")
-    if cs is not None and (isinstance(cs, bool) or not isinstance(cs, (int, float))):
-        p.fail(f"{path}.compile_seconds", f"must be a number, got {cs!r}")
-    carveout = p.int_(obj, "shared_carveout", path, required=False, lo=0, hi=100)
-    return KernelEntry(key, kernel, dict(variant), file, sha.lower(), source_hash, symbol, tuple(block), smem,
-                       grid, params, registers, spills, cubin_bytes, cs, carveout)  # type: ignore[arg-type]
+    return grid, params
 
 
-def parse_manifest(data: Any, source: str = "") -> Manifest:
-    """Validate a manifest (dict, or JSON text/bytes) into a :class:`Manifest`; ManifestError names the field."""
+def parse_manifest(data: Any, source: str = "", lazy: bool = False) -> Manifest:
+    """Validate a manifest (dict, or JSON text/bytes) into a :class:`Manifest`; ManifestError names the field.
+    lazy: each kernel's launch rules (grid, params) are validated when first read (LaunchRules), the rest now."""
     p = _P(source)
     if isinstance(data, (str, bytes, bytearray)):
         try:
@@ -459,7 +517,7 @@ def parse_manifest(data: Any, source: str = "") -> Manifest:
     kernels_raw = p.get(data, "kernels", "")
     if not isinstance(kernels_raw, list):
         p.fail("kernels", f"must be a list, got {type(kernels_raw).__name__}")
-    kernels = tuple(_parse_kernel(p, k, f"kernels[{i}]") for i, k in enumerate(kernels_raw))
+    kernels = tuple(_parse_kernel(p, k, f"kernels[{i}]", lazy) for i, k in enumerate(kernels_raw))
     seen: Dict[str, int] = {}
     seen_variant: Dict[Tuple, int] = {}
     for i, k in enumerate(kernels):
@@ -473,13 +531,13 @@ def parse_manifest(data: Any, source: str = "") -> Manifest:
     return Manifest(fv, arch, toolchain, build_date, kernels, source)
 
 
-def load_manifest(path: Any) -> Manifest:
-    """Read and validate a manifest file (a path or an importlib.resources Traversable)."""
+def load_manifest(path: Any, lazy: bool = False) -> Manifest:
+    """Read and validate a manifest file (a path or an importlib.resources Traversable); lazy as parse_manifest."""
     try:
         text = path.read_text(encoding="utf-8") if hasattr(path, "read_text") else open(path, encoding="utf-8").read()
     except OSError as e:
         raise ManifestError("<document>", f"cannot read: {e}", str(path)) from None
-    return parse_manifest(text, source=str(path))
+    return parse_manifest(text, source=str(path), lazy=lazy)
 
 
 def variant_key(variant: Mapping[str, Any]) -> Tuple:

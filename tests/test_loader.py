@@ -84,6 +84,24 @@ def test_missing_and_malformed_manifest(tmp_path):
     assert ei.value.field == "kernels[0].symbol"
 
 
+def test_library_validates_a_kernels_launch_rules_at_its_first_use(tmp_path):
+    """The loader reads the manifest lazily: a broken rule of one kernel fails that kernel's use, naming the field,
+    and leaves the others usable; info validates every kernel."""
+    bad = fixtures.write_kernel_dir(tmp_path / "bad", mutate=lambda m: m["kernels"][0]["grid"].pop())
+    lib = KernelLibrary(bad)
+    k = lib.kernel("scale", dtype="bf16")
+    assert k.build_args({"N": 513}, {"x": 64}) == ((3, 1, 1), (64, 513))
+    with pytest.raises(ManifestError) as ei:
+        lib.kernel("kkt_solve", dtype="bf16", K=128).size_names
+    assert ei.value.field == "kernels[0].grid"
+    env = fixtures.subprocess_env(FLASH_QLA_LIBCUDA="/nonexistent/libcuda.so.1", FLASH_QLA_KERNELS_DIR=str(bad))
+    r = subprocess.run([sys.executable, "-m", "flash_qla", "info", "--json"], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=120)
+    import json
+    rep = json.loads(r.stdout)
+    assert r.returncode != 0 and "kernels[0].grid" in rep["manifest"]["error"], r.stdout + r.stderr
+
+
 def test_library_is_lazy(tmp_path):
     lib = KernelLibrary(tmp_path / "does-not-exist")  # constructing reads nothing
     assert lib._manifest is None

@@ -135,6 +135,43 @@ def test_malformed_field_names_it(path, value, field):
     assert repr(field) in str(ei.value) and "test.json" in str(ei.value)
 
 
+@pytest.mark.parametrize("path,value,field", MALFORMED, ids=[f"{p}={v!r}"[:60] for p, v, _ in MALFORMED])
+def test_malformed_field_named_by_a_lazy_parse_too(path, value, field):
+    """lazy=True (the loader's read) defers each kernel's grid and params to first use; validate() reads them all
+    and names the same field as the up-front parse."""
+    m = good()
+    _set(path, value)(m)
+    with pytest.raises(ManifestError) as ei:
+        parse_manifest(m, source="test.json", lazy=True).validate()
+    assert ei.value.field == field, str(ei.value)
+
+
+def test_lazy_parse_defers_only_the_launch_rules():
+    m = good()
+    _set("kernels/0/params/3/expr", "__import__('os')")(m)
+    lazy = parse_manifest(m, lazy=True)  # the broken rule is not read yet
+    other = lazy.by_key("kkt_solve.fp16.K128")
+    assert other.signature == b"pppilfmm" and other.size_names == ("H", "NT", "scale")
+    broken = lazy.by_key("kkt_solve.bf16.K128")
+    assert broken.block == (128, 1, 1) and broken.symbol == "kkt_solve_kernel"  # the header was validated
+    for read in (lambda: broken.params, lambda: broken.grid, lazy.validate):
+        with pytest.raises(ManifestError) as ei:
+            read()
+        assert ei.value.field == "kernels[0].params[3].expr"
+    fine = good()
+    assert parse_manifest(fine, lazy=True).validate().kernels == parse_manifest(fine).kernels
+
+
+def test_shipped_manifest_same_read_lazily():
+    shipped = Path(__file__).resolve().parents[1] / "flash_qla" / "_kernels" / "sm90a" / "manifest.json"
+    if not shipped.is_file():
+        pytest.skip("no shipped manifest in this checkout")
+    eager, lazy = load_manifest(shipped), load_manifest(shipped, lazy=True)
+    assert lazy.kernels == eager.kernels
+    assert [compile_arg_builder(k).__doc__ for k in lazy.kernels] == [compile_arg_builder(k).__doc__
+                                                                      for k in eager.kernels]
+
+
 def test_not_an_object():
     with pytest.raises(ManifestError, match="<document>"):
         parse_manifest([1, 2])
