@@ -9,15 +9,20 @@ and the final state. Shapes: the standard matrix's forward rows, plus small batc
 
 usage (GPU machine, repository root):
   python scripts/host_cost.py --out bench/results/h100/host_overhead.json [--calls 200] [--rows SUBSTRING]
+  (it runs itself with --first-call in a fresh process for the first_call figures)
 Writes {"device": ..., "autograd_floor_us", "floor_empty_us", "floor_launch_us", "floor_autograd_min_us",
-"rows": [{"shape", "tokens", "seqs", "hq", "hv", "fwd_host_us", "fwd_bwd_host_us", "plans"}]}: the floors are what
-any library pays on the host (a torch.empty, a launch, autograd's own forward + backward) before its own work.
+"first_call": {...}, "rows": [{"shape", "tokens", "seqs", "hq", "hv", "fwd_host_us", "fwd_bwd_host_us", "plans"}]}:
+the floors are what any library pays on the host (a torch.empty, a launch, autograd's own forward + backward) before
+its own work; first_call is a fresh process's first forward and first forward + backward (wall time until the device
+is done; kernel loading and plan recording included), on TP8 1x32768, after torch's own first backward (timed apart).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -152,7 +157,51 @@ def platform_floors(calls: int) -> dict:
             "floor_autograd_min_us": round(autograd_floor_us(max(1, calls // 3), 1, 1), 2)}
 
 
+FIRST_CALL_ROW = "TP8|1x32768"
+
+
+def first_call() -> dict:
+    """In this (fresh) process: the first forward, then the first forward + backward, each until the device is done
+    (the kernel path's modules, the manifest, the cubins and the plans all load or record on first use). The inputs
+    are made, the CUDA context created and torch's first backward (timed on its own) run before either."""
+    torch.zeros(1, device="cuda")
+    row = next(r for r in iter_rows(load_matrix(), ("fwd",), "") if f"{r.model}|{r.label}" == FIRST_CALL_ROW)
+    x = draw_inputs(row, "cuda")
+    leaves = [t.detach().requires_grad_(True) for t in (x.q, x.k, x.v, x.g, x.beta, x.h0)]
+    torch.cuda.synchronize()
+    out = {"row": FIRST_CALL_ROW}
+    # torch's own first backward with output gradients, as below (its lazy imports: torch.fx's symbolic shapes and
+    # sympy, ~0.8-2 s), paid by any library
+    t = time.perf_counter()
+    two = torch.ones(2, device="cuda", requires_grad=True) * 2
+    torch.autograd.backward([two], [torch.ones_like(two)])
+    torch.cuda.synchronize()
+    out["torch_first_backward_ms"] = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    with torch.no_grad():
+        flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
+                                         output_final_state=True, cu_seqlens=x.cu_seqlens)
+    torch.cuda.synchronize()
+    out["fwd_ms"] = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    q, k, v, g, beta, h0 = leaves
+    o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
+                                             output_final_state=True, cu_seqlens=x.cu_seqlens)
+    torch.autograd.backward([o, ht], [x.do, x.dht])
+    torch.cuda.synchronize()
+    out["fwd_bwd_ms"] = (time.perf_counter() - t) * 1e3
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def first_call_in_fresh_process() -> dict:
+    r = subprocess.run([sys.executable, __file__, "--first-call"], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
+    if "--first-call" in sys.argv[1:]:
+        print(json.dumps(first_call()))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=30,
@@ -163,6 +212,8 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the layers of a call alone (allocation, validation, plan replay, backward)")
     args = ap.parse_args()
+    first = first_call_in_fresh_process()
+    print(json.dumps({"first_call": first}), flush=True)
     rows = []
     for row in shapes(args.rows):
         key = f"{row.model}|{row.label}"
@@ -203,7 +254,7 @@ def main() -> int:
         rows.append(r)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "autograd_floor_us": round(autograd_floor_us(max(1, args.calls // 3)), 2),
-           **platform_floors(args.calls),
+           **platform_floors(args.calls), "first_call": first,
            "method": "CPU time per call of N calls queued behind a device sleep (median of 5 loops), plans recorded first",
            "rows": rows}
     with open(args.out, "w") as f:
