@@ -228,10 +228,14 @@ class LaunchRules:
 
     def _get(self) -> Tuple[Tuple[Expr, ...], Tuple["Param", ...]]:
         parsed = self._parsed
-        if parsed is None:  # two threads may both parse: the same result, assigned whole
-            p, obj, path = self._raw
-            parsed = self._parsed = _parse_rules(p, obj, path)
-            self._raw = None
+        if parsed is None:
+            # two threads may both parse (the same result, assigned whole). _raw is dropped only after _parsed is
+            # set, so a thread that read _raw as None finds _parsed set when it looks again
+            raw = self._raw
+            parsed = self._parsed
+            if parsed is None:
+                parsed = self._parsed = _parse_rules(*raw)
+                self._raw = None
         return parsed
 
     @property
