@@ -160,14 +160,37 @@ def platform_floors(calls: int) -> dict:
 FIRST_CALL_ROW = "TP8|1x32768"
 
 
+def row_key(row: BenchRow) -> str:
+    return f"{row.model}|{row.label}"
+
+
+def calls_of(x):
+    """(forward, forward + backward, the leaves) of one shape's inputs: the forward under no_grad; the step with
+    gradients on every input, then autograd.backward on o and the final state (the leaves' grads cleared after)."""
+    leaves = [t.detach().requires_grad_(True) for t in (x.q, x.k, x.v, x.g, x.beta, x.h0)]
+
+    def fwd():
+        with torch.no_grad():
+            return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
+                                                    output_final_state=True, cu_seqlens=x.cu_seqlens)
+
+    def fwd_bwd():
+        q, k, v, g, beta, h0 = leaves
+        o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
+                                                 output_final_state=True, cu_seqlens=x.cu_seqlens)
+        torch.autograd.backward([o, ht], [x.do, x.dht])
+        for t in leaves:
+            t.grad = None
+    return fwd, fwd_bwd, leaves
+
+
 def first_call() -> dict:
     """In this (fresh) process: the first forward, then the first forward + backward, each until the device is done
     (the kernel path's modules, the manifest, the cubins and the plans all load or record on first use). The inputs
     are made, the CUDA context created and torch's first backward (timed on its own) run before either."""
     torch.zeros(1, device="cuda")
-    row = next(r for r in iter_rows(load_matrix(), ("fwd",), "") if f"{r.model}|{r.label}" == FIRST_CALL_ROW)
-    x = draw_inputs(row, "cuda")
-    leaves = [t.detach().requires_grad_(True) for t in (x.q, x.k, x.v, x.g, x.beta, x.h0)]
+    row = next(r for r in shapes("") if row_key(r) == FIRST_CALL_ROW)
+    fwd, fwd_bwd, _ = calls_of(draw_inputs(row, "cuda"))
     torch.cuda.synchronize()
     out = {"row": FIRST_CALL_ROW}
     # torch's own first backward with output gradients, as below (its lazy imports: torch.fx's symbolic shapes and
@@ -177,19 +200,11 @@ def first_call() -> dict:
     torch.autograd.backward([two], [torch.ones_like(two)])
     torch.cuda.synchronize()
     out["torch_first_backward_ms"] = (time.perf_counter() - t) * 1e3
-    t = time.perf_counter()
-    with torch.no_grad():
-        flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,
-                                         output_final_state=True, cu_seqlens=x.cu_seqlens)
-    torch.cuda.synchronize()
-    out["fwd_ms"] = (time.perf_counter() - t) * 1e3
-    t = time.perf_counter()
-    q, k, v, g, beta, h0 = leaves
-    o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
-                                             output_final_state=True, cu_seqlens=x.cu_seqlens)
-    torch.autograd.backward([o, ht], [x.do, x.dht])
-    torch.cuda.synchronize()
-    out["fwd_bwd_ms"] = (time.perf_counter() - t) * 1e3
+    for name, fn in (("fwd_ms", fwd), ("fwd_bwd_ms", fwd_bwd)):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t) * 1e3
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
 
 
@@ -216,26 +231,11 @@ def main() -> int:
     print(json.dumps({"first_call": first}), flush=True)
     rows = []
     for row in shapes(args.rows):
-        key = f"{row.model}|{row.label}"
+        key = row_key(row)
         if args.rows and args.rows not in key:
             continue
         x = draw_inputs(row, "cuda")
-        kw = dict(scale=x.scale, initial_state=x.h0, output_final_state=True, cu_seqlens=x.cu_seqlens)
-
-        def fwd():
-            with torch.no_grad():
-                return flash_qla.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, **kw)
-
-        leaves = [t.detach().requires_grad_(True) for t in (x.q, x.k, x.v, x.g, x.beta, x.h0)]
-
-        def fwd_bwd():
-            q, k, v, g, beta, h0 = leaves
-            o, ht = flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=x.scale, initial_state=h0,
-                                                     output_final_state=True, cu_seqlens=x.cu_seqlens)
-            torch.autograd.backward([o, ht], [x.do, x.dht])
-            for t in leaves:
-                t.grad = None
-
+        fwd, fwd_bwd, leaves = calls_of(x)
         for fn in (fwd, fwd_bwd):  # record the plans, load the kernels
             fn()
             fn()
