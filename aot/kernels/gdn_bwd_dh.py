@@ -53,6 +53,9 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
     dt = DTYPES[dtype]
     chain = mode == "chain"  # compile time: only the chain stores per-chunk outputs
     trans = mode == "trans"  # dO = 0 (no q, dO or P read), dS = I
+    # the K x BV state products by rows, each warpgroup 64 rows and all BV columns (K = 128): TileLang's default split
+    # gave each warpgroup all K rows of BV / 2 columns, twice the wgmma instructions at N = 16 on the chain's last step
+    STATE_POLICY = T.GemmWarpPolicy.FullRow if K >= 128 else T.GemmWarpPolicy.Square
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -184,7 +187,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     T.wgmma_gemm(p_s, dom_s, xp, transpose_A=True, clear_accum=True)
                 T.wgmma_gemm(k_s, ds_s, xf, clear_accum=True)
                 if not trans:
-                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True)
+                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True, policy=STATE_POLICY)
                     T.wait_wgmma(1)
                 else:
                     T.wait_wgmma(0)
@@ -209,7 +212,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         dv_s[i, d] = T.cast(dw[i, d], dt)
                 T.fence_proxy_async()
                 T.sync_threads(CHAIN_BARRIER, THREADS)  # dwe_s, dv_s published
-                T.wgmma_gemm(k_s, dwe_s, dS, transpose_A=True)
+                T.wgmma_gemm(k_s, dwe_s, dS, transpose_A=True, policy=STATE_POLICY)
                 # X and dV go out while that product runs: stored before the fence above, they held it (the
                 # fence waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu). A whole chunk by TMA
                 # (the per-element stores were ~16% of the consumers' stall samples); a sequence's partial last
@@ -218,10 +221,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     if valid == C:
                         T.tma_copy(x_s, x[t0:t0 + C, h, v0:v0 + BV])
                         T.tma_copy(dv_s, dv[t0:t0 + C, h, v0:v0 + BV])
-                    for i, d in T.Parallel(C, BV):
-                        if i < valid and valid < C:
-                            x[t0 + i, h, v0 + d] = x_s[i, d]
-                            dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
+                    # a branch of its own: as one predicate per element, ptxas kept the loop's 64-bit addresses and
+                    # predicated stores in every chunk (~90 of a warp's ~750 instructions a chunk, ncu)
+                    if valid < C:
+                        for i, d in T.Parallel(C, BV):
+                            if i < valid:
+                                x[t0 + i, h, v0 + d] = x_s[i, d]
+                                dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dS, num_regs=K * BV // THREADS)
                 # TileLang hands a pipeline stage back to the producer after the last statement that names its

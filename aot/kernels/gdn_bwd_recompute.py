@@ -56,6 +56,8 @@ single_warp_producer("gdn_bwd_recompute_kernel")
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
     dt = DTYPES[dtype]
     assert mode == "save", mode
+    # the state update by rows, each warpgroup 64 of K = 128 rows and all BV columns (gdn_bwd_dh's note)
+    STATE_POLICY = T.GemmWarpPolicy.FullRow if K >= 128 else T.GemmWarpPolicy.Square
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
@@ -164,7 +166,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
                     # Here, a chunk's work lies between each store and its wait
                     T.tma_store_wait()
                 T.sync_threads(CHAIN_BARRIER, THREADS)  # vn_s[par], vd_s published
-                T.wgmma_gemm(k_s, vd_s, S, transpose_A=True)
+                T.wgmma_gemm(k_s, vd_s, S, transpose_A=True, policy=STATE_POLICY)
                 # W and Vnew go out while the state update runs: stored before its fence, they held it (the fence
                 # waits for the thread's earlier global stores: MEMBAR.ALL.CTA, ncu on gdn_bwd_dh). A whole chunk by
                 # TMA; a sequence's partial last chunk by its valid rows (the rows past it are the next sequence's)
