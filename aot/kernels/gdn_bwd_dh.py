@@ -100,7 +100,6 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
             eg_s = T.alloc_shared((C,), "float32")
             et_s = T.alloc_shared((C,), "float32")
             ds_s = T.alloc_shared((K, BV), dt)
-            dom_s = T.alloc_shared((C, BV), dt)   # dO, zero past the sequence end
             dos_s = T.alloc_shared((C, BV), dt)   # scale * eg * dO
             x_s = T.alloc_shared((C, BV), dt)
             dwe_s = T.alloc_shared((C, BV), dt)   # -eg * dW
@@ -161,12 +160,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                 T.copy(eg_t[h, slot0 + c * C:slot0 + c * C + C], eg_s)
                 T.copy(et_t[h, slot0 + c * C:slot0 + c * C + C], et_s)
                 valid = T.min(eos - t0, C)
-                # off the chain first: dO masked / scaled (needs only this chunk's tiles)
                 if not trans:
-                    for i, d in T.Parallel(C, BV):
-                        dom_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
-                        dos_s[i, d] = T.if_then_else(
-                            i < valid, T.cast(T.cast(do_s[i, d], "float32") * (eg_s[i] * scale), dt), T.cast(0, dt))
+                    if valid < C:
+                        # a sequence's partial last chunk: dO's rows past its end (the next sequence's) zeroed in
+                        # the stage itself, which the producer refills only after this chunk releases it
+                        # (a read of the tile, so TileLang waits for its load first: a bare store it does not wait for)
+                        for i, d in T.Parallel(C, BV):
+                            do_s[i, d] = T.if_then_else(i < valid, do_s[i, d], T.cast(0, dt))
                 # ds_s is free: the previous chunk's dS' store finished reading it before that chunk's X barrier
                 T.copy(dS, ds_s)
                 T.fence_proxy_async()
@@ -174,23 +174,22 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     # the previous chunk's X and dV stores (issued by this thread) have read x_s / dv_s, which are
                     # rewritten after the barrier below
                     T.tma_store_wait()
-                # dom_s, dos_s, ds_s published (the stage's tiles came by mbarrier)
+                # ds_s (and a partial chunk's do_s) published (the stage's tiles came by mbarrier)
                 T.sync_threads(CHAIN_BARRIER, THREADS)
                 if chain:
                     T.tma_copy(ds_s, dhs[c0 + c, h, :, v0:v0 + BV])
                 for kk, d in T.Parallel(K, BV):
                     dS[kk, d] = dS[kk, d] * eg_s[valid - 1]
-                # one batch of products: P^T dO and K dS' for X (the et factor goes on in the X pass, so the dO
-                # terms need no pass of their own between products), then dS's dO term, which X does not need:
-                # it runs under X's pass (the Agb^T X product's wait covers it)
-                if not trans:
-                    T.wgmma_gemm(p_s, dom_s, xp, transpose_A=True, clear_accum=True)
+                # X's products first, on the stage's dO: the scaled dO for dS's own term is made under them, off the
+                # chain (it was a pass of its own before the barrier, with a masked copy of dO for P^T dO)
                 T.wgmma_gemm(k_s, ds_s, xf, clear_accum=True)
                 if not trans:
-                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True, policy=STATE_POLICY)
-                    T.wait_wgmma(1)
-                else:
-                    T.wait_wgmma(0)
+                    T.wgmma_gemm(p_s, do_s, xp, transpose_A=True, clear_accum=True)
+                    # dos_s's last reader, the previous chunk's Q^T dO product, was waited for at its end
+                    for i, d in T.Parallel(C, BV):
+                        dos_s[i, d] = T.cast(
+                            T.cast(do_s[i, d], "float32") * T.if_then_else(i < valid, eg_s[i] * scale, 0.0), dt)
+                T.wait_wgmma(0)
                 T.warpgroup_fence_operand(xf, num_regs=C * BV // THREADS)
                 if trans:
                     for i, d in T.Parallel(C, BV):
@@ -202,8 +201,15 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                 T.fence_proxy_async()
                 if chain:
                     T.tma_store_wait()  # this chunk's dS' store has read ds_s, which the next chunk rewrites
-                T.sync_threads(CHAIN_BARRIER, THREADS)  # x_s published (its last reader, the previous chunk's X store, was waited for)
-                T.gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
+                T.sync_threads(CHAIN_BARRIER, THREADS)  # x_s, dos_s published (x_s's last reader, the previous chunk's X store, was waited for)
+                # dW first; dS's dO term runs under the dW pass (K^T dW's wait covers it)
+                T.wgmma_gemm(agb_s, x_s, dw, transpose_A=True, clear_accum=True)
+                if not trans:
+                    T.wgmma_gemm(q_s, dos_s, dS, transpose_A=True, policy=STATE_POLICY)
+                    T.wait_wgmma(1)
+                else:
+                    T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dw, num_regs=C * BV // THREADS)
                 # dwe_s's last reader is the previous chunk's K^T dW product, waited for by both warpgroups before
                 # the barrier above; dv_s's is the previous chunk's dV store, waited for before the first barrier
                 for i, d in T.Parallel(C, BV):
@@ -222,12 +228,13 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                         T.tma_copy(x_s, x[t0:t0 + C, h, v0:v0 + BV])
                         T.tma_copy(dv_s, dv[t0:t0 + C, h, v0:v0 + BV])
                     # a branch of its own: as one predicate per element, ptxas kept the loop's 64-bit addresses and
-                    # predicated stores in every chunk (~90 of a warp's ~750 instructions a chunk, ncu)
+                    # predicated stores in every chunk (~90 of a warp's ~750 instructions a chunk, ncu); from shared
+                    # memory, as dw's registers read there had ptxas serialise the wgmmas (a wait in a divergent path)
                     if valid < C:
                         for i, d in T.Parallel(C, BV):
                             if i < valid:
                                 x[t0 + i, h, v0 + d] = x_s[i, d]
-                                dv[t0 + i, h, v0 + d] = T.cast(dw[i, d], dt)
+                                dv[t0 + i, h, v0 + d] = dv_s[i, d]
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dS, num_regs=K * BV // THREADS)
                 # TileLang hands a pipeline stage back to the producer after the last statement that names its
@@ -237,7 +244,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
                     if trans:
                         x_s[0, 0] = k_s[0, 0]
                     else:
-                        x_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0]
+                        x_s[0, 0] = q_s[0, 0] + k_s[0, 0] + p_s[0, 0] + do_s[0, 0]
             if chain:
                 T.tma_store_wait()  # the last chunk's stores have read their tiles before the CTA exits
             if chain and (state_mode & V_FIRST) != 0:
