@@ -25,6 +25,7 @@ from tilelang.layout import make_swizzled_layout
 
 from .producer_warp import register as single_warp_producer
 from .state_io import V_FIRST
+from .state_product import state_policy
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
@@ -53,9 +54,7 @@ def build(dtype: str, K: int, V: int, BV: int, mode: str = "chain"):
     dt = DTYPES[dtype]
     chain = mode == "chain"  # compile time: only the chain stores per-chunk outputs
     trans = mode == "trans"  # dO = 0 (no q, dO or P read), dS = I
-    # the K x BV state products by rows, each warpgroup 64 rows and all BV columns (K = 128): TileLang's default split
-    # gave each warpgroup all K rows of BV / 2 columns, twice the wgmma instructions at N = 16 on the chain's last step
-    STATE_POLICY = T.GemmWarpPolicy.FullRow if K >= 128 else T.GemmWarpPolicy.Square
+    STATE_POLICY = state_policy(K)
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")

@@ -23,6 +23,7 @@ from tilelang.layout import make_swizzled_layout
 
 from .producer_warp import register as single_warp_producer
 from .state_io import V_FIRST
+from .state_product import state_policy
 
 C = 64
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256], "BV": [32, 64],
@@ -56,8 +57,7 @@ single_warp_producer("gdn_bwd_recompute_kernel")
 def build(dtype: str, K: int, V: int, BV: int, mode: str = "save"):
     dt = DTYPES[dtype]
     assert mode == "save", mode
-    # the state update by rows, each warpgroup 64 of K = 128 rows and all BV columns (gdn_bwd_dh's note)
-    STATE_POLICY = T.GemmWarpPolicy.FullRow if K >= 128 else T.GemmWarpPolicy.Square
+    STATE_POLICY = state_policy(K)
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
