@@ -17,12 +17,12 @@ valid causal pairs and row outputs are stored for valid rows only. Each (chunk, 
 GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
 extra pass over memory and is deterministic.
 The kernel is persistent: `ctas` CTAs (one per SM; the host passes min(SMs, items)) walk the (chunk slot, q/k head)
-items round-robin. Each item's first V block is loaded under the previous item's epilogue, its q / k tiles under its
-first V blocks (first needed by head 0's epilogue), and the next item's chunk lookup under its work: as one CTA per
-item, an SM spent ~2 us between CTAs and ~1.5 us waiting for each CTA's first tiles (clock stamps, hk16_hv32 32k_1seq:
-26 us an item). A whole chunk's dq / dk (no l2norm) are rounded into q_s / k_s and stored by TMA, which the next
-item runs beside; a row-store loop there took ~9% of an item (5-6% of the kernel on an H100). Partial chunks keep
-the row loop (rows past a sequence end are another item's).
+items round-robin. Each item's first two V blocks are loaded under the previous item's epilogue (each head's under the
+previous head's), its q / k tiles under its first V blocks (first needed by head 0's epilogue), and the next item's
+chunk lookup under its work: as one CTA per item, an SM spent ~2 us between CTAs and ~1.5 us waiting for each CTA's
+first tiles (clock stamps, hk16_hv32 32k_1seq: 26 us an item). A whole chunk's dq / dk (no l2norm) are rounded into
+q_s / k_s and stored by TMA, which the next item runs beside; a row-store loop there took ~9% of an item (5-6% of
+the kernel on an H100). Partial chunks keep the row loop (rows past a sequence end are another item's).
 use_qk_l2norm_in_kernel (l2norm != 0): q / k above are the normalised rows y = x r, r = (|x|^2 + eps)^-1/2, and the
 epilogue turns the group's summed dy into dx = r (dy - y (y . dy)) = r dy - r^3 x (x . dy) in fp32 before the single
 rounding to the input dtype: no separate pass, no autograd. A whole chunk does it in the accumulator layout from y
@@ -223,7 +223,7 @@ def build(dtype: str, K: int, V: int):
             heads = T.alloc_var("int32")   # v-heads done before this item: the A tile's parity
             items = T.alloc_var("int32")   # valid items done before this one: the q / k tiles' parity
             raws = T.alloc_var("int32")    # raw q / k tiles loaded before (l2norm, row path): raw_bar's parity
-            ahead = T.alloc_var("int32")   # this item's first V block was issued by the previous item
+            ahead = T.alloc_var("int32")   # this item's first two V blocks were issued by the previous item
             whole = T.alloc_var("int32")   # a whole chunk: dq / dk stored from q_s / k_s by TMA
             xr = T.alloc_local((E,), dt)
             gv = T.alloc_local((E,), "float32")
@@ -307,17 +307,19 @@ def build(dtype: str, K: int, V: int):
                             nxt = r * NB + vb + 1  # the item's next block
                             blk = blocks + nxt - 1  # the CTA's running block count: buffer blk % 2, its use blk // 2
                             b = blk % 2
-                            if nxt < R * NB:  # the next block (of this head or the next) into the other buffer
-                                if nxt == 1 and ahead != 0:
+                            if nxt < R * NB and vb == 0 and (r > 0 or ahead != 0):
+                                # a head's second block left under the previous head's (item's) epilogue
+                                if r == 0:
                                     # the previous item's dq / dk TMA stores read q_s / k_s: the elected thread
-                                    # waits for those reads before the barrier, then issues this item's q / k
+                                    # waits for those reads, then issues this item's q / k (first waited for at
+                                    # head 0's epilogue)
                                     T.tma_store_wait()
+                                    load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
+                            elif nxt < R * NB:  # the next block (of this head or the next) into the other buffer
                                 T.fence_proxy_async()
                                 T.sync_threads()  # block blk - 1's products and folds are done with that buffer
                                 load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
                                            loaded, 1 - b, t0, bc, hk * R + nxt // NB, (nxt % NB) * BV)
-                                if nxt == 1 and ahead != 0:  # first waited for at head 0's epilogue
-                                    load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
                             elif nvalid > 0:  # the next item's first block, under this item's last epilogue
                                 T.fence_proxy_async()
                                 T.sync_threads()
@@ -342,6 +344,18 @@ def build(dtype: str, K: int, V: int):
                             T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
                             T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                             T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
+                        # the last block's buffer is free once every thread is past its products and fold: the next
+                        # head's (item's) second block goes there now, so two blocks load under the epilogue, where
+                        # one left the next V loop waiting on its second block's loads (long scoreboard, ncu)
+                        if r < R - 1 or nvalid > 0:
+                            T.fence_proxy_async()
+                            T.sync_threads()
+                            if r < R - 1:
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, (blocks + (r + 1) * NB - 1) % 2, t0, bc, hk * R + r + 1, BV)
+                            else:
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, (blocks + (r + 1) * NB - 1) % 2, nt0, nbc, nhk * R, BV)
                         if tid < C:
                             gam_s[tid] = rowv[0]
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
