@@ -347,15 +347,16 @@ def build(dtype: str, K: int, V: int):
                         # the last block's buffer is free once every thread is past its products and fold: the next
                         # head's (item's) second block goes there now, so two blocks load under the epilogue, where
                         # one left the next V loop waiting on its second block's loads (long scoreboard, ncu)
+                        freed = (blocks + (r + 1) * NB - 1) % 2  # the buffer of the head's last block
                         if r < R - 1 or nvalid > 0:
                             T.fence_proxy_async()
                             T.sync_threads()
                             if r < R - 1:
                                 load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
-                                           loaded, (blocks + (r + 1) * NB - 1) % 2, t0, bc, hk * R + r + 1, BV)
+                                           loaded, freed, t0, bc, hk * R + r + 1, BV)
                             else:
                                 load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
-                                           loaded, (blocks + (r + 1) * NB - 1) % 2, nt0, nbc, nhk * R, BV)
+                                           loaded, freed, nt0, nbc, nhk * R, BV)
                         if tid < C:
                             gam_s[tid] = rowv[0]
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
