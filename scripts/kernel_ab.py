@@ -64,7 +64,7 @@ def main() -> None:
     if args.turns < 1:
         raise SystemExit("kernel_ab: --turns must be >= 1")
     results = defaultdict(lambda: defaultdict(list))   # (row, arm) -> field -> values
-    for _ in range(args.turns):
+    for turn in range(args.turns):
         for name, folder in arms.items():
             env = dict(os.environ, FLASH_QLA_KERNELS_DIR=str(Path(folder).resolve()))
             proc = subprocess.run([sys.executable, __file__, *args.rows, "--pass", args.pass_, "--worker"],
@@ -73,6 +73,10 @@ def main() -> None:
                 raise SystemExit(f"kernel_ab: arm {name} failed:\n{proc.stderr[-4000:]}")
             for line in proc.stdout.splitlines():
                 r = json.loads(line)
+                # each turn's times as they come (stderr): a call cut short by its time limit still reports them
+                print(f"turn {turn} {name} {r['row']} graph_ms {r['graph_ms']} kernels "
+                      f"{ {k: v for k, v in r['kernels'].items() if isinstance(v, (int, float))} }", file=sys.stderr,
+                      flush=True)
                 cell = results[(r["row"], name)]
                 cell["graph_ms"].append(r["graph_ms"])
                 cell["outputs"].append(r["outputs"])
