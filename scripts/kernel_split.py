@@ -84,6 +84,12 @@ def main() -> None:
     p.add_argument("--peers-dir", default=".peers")
     p.add_argument("--tune", nargs="*", default=[], metavar="NAME=VALUE")
     args = p.parse_args()
+    if args.lib != "ours":  # in a peer's environment `flash_qla` is FlashQLA's package: no tuning to pin there
+        if args.tune:
+            p.error("--tune pins flash_qla.tuning settings: ours only")
+        for row, call in peer_calls(args.lib, args.peers_dir, args.pass_, args.rows):
+            print(json.dumps({"lib": args.lib, "row": row.key, **split(call)}), flush=True)
+        return
     from flash_qla.tuning import Tuning, override
     kinds = {f.name: f.type for f in dataclasses.fields(Tuning)}
     pins = {}
@@ -92,10 +98,8 @@ def main() -> None:
         if name not in kinds:
             p.error(f"--tune: flash_qla.tuning has no setting {name!r}")
         pins[name] = None if value == "none" else bool(int(value)) if "bool" in str(kinds[name]) else int(value)
-    calls = (ours_calls(args.pass_, args.rows) if args.lib == "ours"
-             else peer_calls(args.lib, args.peers_dir, args.pass_, args.rows))
     with override(**pins):
-        for row, call in calls:
+        for row, call in ours_calls(args.pass_, args.rows):
             print(json.dumps({"lib": args.lib, "row": row.key, **pins, **split(call)}), flush=True)
 
 
