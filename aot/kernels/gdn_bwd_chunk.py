@@ -35,6 +35,7 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 import tilelang.language as T
 
 from .common import L2NORM_EPS
+from .fragment_sums import PRELUDE
 from .workspaces import use_canonical_workspaces
 
 C = 64
@@ -159,7 +160,7 @@ def build(dtype: str, K: int, V: int):
         ctas: T.int32,
     ):
         # items: every (chunk slot, q/k head), slot-major (TC / 64 = ceil(T / 64) + N slots)
-        with T.Kernel(ctas, threads=THREADS) as pid:
+        with T.Kernel(ctas, threads=THREADS, prelude=PRELUDE) as pid:
             q_s = T.alloc_shared((C, K), dt)
             rq_s = T.alloc_shared((C,), "float32")  # l2norm: the chunk's q rows' factors r (with the q / k tiles)
             rk_s = T.alloc_shared((C,), "float32")
@@ -182,10 +183,13 @@ def build(dtype: str, K: int, V: int):
             etd_s = T.alloc_shared((C,), "float32")
             b_s = T.alloc_shared((C,), "float32")
             dg_s = T.alloc_shared((C,), "float32")
-            cp_s = T.alloc_shared((C,), "float32")   # the P part's column sums
-            dbc_s = T.alloc_shared((C,), "float32")  # the A part's column sums
-            ra_s = T.alloc_shared((C,), "float32")   # both parts' row sums
-            r23_s = T.alloc_shared((C,), "float32")  # the state terms' row sums through q and k
+            # the epilogue's sums as parts (fragment_sums.py), added up by the row's thread after a barrier of the
+            # epilogue's own: T.reduce_sum's butterflies across warps put 14 CTA barriers in each head's epilogue
+            cpp_s = T.alloc_shared((4 * C,), "float32")   # the P part's column sums, by warp
+            dbcp_s = T.alloc_shared((4 * C,), "float32")  # the A part's column sums, by warp
+            rap_s = T.alloc_shared((2 * C,), "float32")   # both parts' row sums, by warpgroup
+            r23p_s = T.alloc_shared((2 * C,), "float32")  # the state terms' row sums through q and k, by warpgroup
+            dbrp_s = T.alloc_shared((2 * C,), "float32")  # dL K K^T's row sums (dbeta), by warpgroup
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
             # dq, dk summed over the GVA group's v-heads, added from the accumulator layout (float2 per thread,
             # eight rows per instruction): rows padded by 32 bytes, conflict-free (8-way without, ncu)
@@ -200,12 +204,8 @@ def build(dtype: str, K: int, V: int):
             # its own fragment (spread over all threads): on cc's columns only the first warpgroup would fold, a
             # divergent branch between the wgmmas' issue and wait, which makes ptxas serialise them
             hf = T.alloc_fragment((C, BV), "float32")
-            r23 = T.alloc_fragment((C,), "float32")
+            r23 = T.alloc_fragment((C,), "float32")  # l2norm's row sums
             rp = T.alloc_fragment((C,), "float32")
-            cp = T.alloc_fragment((C,), "float32")
-            ra = T.alloc_fragment((C,), "float32")
-            dbc = T.alloc_fragment((C,), "float32")
-            dbr = T.alloc_fragment((C,), "float32")
             etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
             dd_s = T.alloc_shared((C,), "float32")  # the A part's diagonal dAgb_ii A_ii (dbeta's; no gamma term)
@@ -393,9 +393,8 @@ def build(dtype: str, K: int, V: int):
                             et_part[0] += kt
                             dkf[i, d] = dks[i, d] - wk
                             dks[i, d] = dqf[i, d] * q_s[i, d] - wk * k_s[i, d] - kt
-                        T.reduce_sum(dks, r23, dim=1, batch=2)
-                        for i in T.Parallel(C):  # into dg_s with the C x C parts' sums, after their barrier
-                            r23_s[i] = r23[i]
+                        # into dg_s with the C x C parts' sums, after their barrier
+                        T.call_extern("handle", "fqla_row_part", dks.data, T.address_of(r23p_s[0]), K // 16)
                         et_part[0] = T.warp_reduce_sum(et_part[0])
                         if T.get_thread_binding() % 32 == 0:  # read by warp 0 in dg's scan, after its barrier
                             etw_s[T.get_thread_binding() // 32] = et_part[0]
@@ -425,24 +424,20 @@ def build(dtype: str, K: int, V: int):
                         T.wgmma_gemm(m_s, q_s, dkf, transpose_A=True)
                         # no wait: nothing below reads dqf / dkf before the last products, and the next T.gemm's wait
                         # (before m_s is rewritten) covers these reads of m_s
-                        T.reduce_sum(cc, cp, dim=0, batch=8)  # P's column sums
+                        T.call_extern("handle", "fqla_col_part", cc.data, T.address_of(cpp_s[0]))  # P's column sums
                         # the A part's column sums are beta_j times dP's, which dbeta takes as they are (with dd_s)
-                        T.reduce_sum(dP, dbc, dim=0, batch=8)
+                        T.call_extern("handle", "fqla_col_part", dP.data, T.address_of(dbcp_s[0]))
                         for i, j in T.Parallel(C, C):
                             cc[i, j] += dP[i, j] * b_s[j]
-                        T.reduce_sum(cc, ra, dim=1, batch=2)  # both parts' row sums
-                        # the three sums leave three layouts (a row's owner differs): each to its own vector, then
-                        # one barrier and dg_s / db_s written by the row's thread (with the state terms' sums)
-                        for i in T.Parallel(C):
-                            cp_s[i] = cp[i]
-                        for i in T.Parallel(C):
-                            dbc_s[i] = dbc[i]
-                        for i in T.Parallel(C):
-                            ra_s[i] = ra[i]
-                        T.sync_threads()  # cp_s, dbc_s, ra_s, r23_s, dd_s
+                        T.call_extern("handle", "fqla_row_part", cc.data, T.address_of(rap_s[0]), C // 16)
+                        # one barrier, then dg_s / db_s by the row's thread from the parts (with the state terms')
+                        T.sync_threads()  # cpp_s, dbcp_s, rap_s, r23p_s, dd_s
                         if tid < C:
-                            dg_s[tid] = r23_s[tid] + ra_s[tid] - cp_s[tid] - dbc_s[tid] * b_s[tid]
-                            db_s[tid] = dbc_s[tid] + dd_s[tid]
+                            acc = (dbcp_s[tid] + dbcp_s[C + tid]) + (dbcp_s[2 * C + tid] + dbcp_s[3 * C + tid])
+                            dg_s[tid] = ((r23p_s[tid] + r23p_s[C + tid]) + (rap_s[tid] + rap_s[C + tid])
+                                         - ((cpp_s[tid] + cpp_s[C + tid]) + (cpp_s[2 * C + tid] + cpp_s[3 * C + tid]))
+                                         - acc * b_s[tid])
+                            db_s[tid] = acc + dd_s[tid]
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -461,10 +456,10 @@ def build(dtype: str, K: int, V: int):
                             cc[i, j] = dP[i, j] * cc[i, j]
                             t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
                         T.fence_proxy_async()  # t_s is read by the tensor cores below
-                        T.reduce_sum(cc, dbr, dim=1, batch=2)
-                        T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); db_s's update
-                        for i in T.Parallel(C):
-                            db_s[i] += dbr[i]
+                        T.call_extern("handle", "fqla_row_part", cc.data, T.address_of(dbrp_s[0]), C // 16)
+                        T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); dbrp_s
+                        if tid < C:
+                            db_s[tid] += dbrp_s[tid] + dbrp_s[C + tid]
                         T.wgmma_gemm(t_s, k_s, dkf)
                         T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
                         # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
