@@ -430,14 +430,8 @@ def build(dtype: str, K: int, V: int):
                         for i, j in T.Parallel(C, C):
                             cc[i, j] += dP[i, j] * b_s[j]
                         T.call_extern("handle", "fqla_row_part", cc.data, T.address_of(rap_s[0]), C // 16)
-                        # one barrier, then dg_s / db_s by the row's thread from the parts (with the state terms')
-                        T.sync_threads()  # cpp_s, dbcp_s, rap_s, r23p_s, dd_s
-                        if tid < C:
-                            acc = (dbcp_s[tid] + dbcp_s[C + tid]) + (dbcp_s[2 * C + tid] + dbcp_s[3 * C + tid])
-                            dg_s[tid] = ((r23p_s[tid] + r23p_s[C + tid]) + (rap_s[tid] + rap_s[C + tid])
-                                         - ((cpp_s[tid] + cpp_s[C + tid]) + (cpp_s[2 * C + tid] + cpp_s[3 * C + tid]))
-                                         - acc * b_s[tid])
-                            db_s[tid] = acc + dd_s[tid]
+                        # dg_s / db_s are made from the parts by the row's thread after dL's barrier below, which
+                        # publishes them too (no barrier of their own)
                         # dL = -strictLower(A^T dA A^T)
                         T.gemm(a_s, t_s, dAgb, transpose_A=True, clear_accum=True)
                         # both warpgroups' products that read m_s (dPs K, dPs^T Q) are done: this T.gemm waited for them
@@ -457,9 +451,15 @@ def build(dtype: str, K: int, V: int):
                             t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
                         T.fence_proxy_async()  # t_s is read by the tensor cores below
                         T.call_extern("handle", "fqla_row_part", cc.data, T.address_of(dbrp_s[0]), C // 16)
-                        T.sync_threads()  # t_s (its last readers, the A^T dA product, were waited for); dbrp_s
+                        # t_s (its last readers, the A^T dA product, were waited for); the parts (cpp_s, dbcp_s, rap_s,
+                        # r23p_s, dbrp_s) and dd_s
+                        T.sync_threads()
                         if tid < C:
-                            db_s[tid] += dbrp_s[tid] + dbrp_s[C + tid]
+                            acc = (dbcp_s[tid] + dbcp_s[C + tid]) + (dbcp_s[2 * C + tid] + dbcp_s[3 * C + tid])
+                            dg_s[tid] = ((r23p_s[tid] + r23p_s[C + tid]) + (rap_s[tid] + rap_s[C + tid])
+                                         - ((cpp_s[tid] + cpp_s[C + tid]) + (cpp_s[2 * C + tid] + cpp_s[3 * C + tid]))
+                                         - acc * b_s[tid])
+                            db_s[tid] = (acc + dd_s[tid]) + (dbrp_s[tid] + dbrp_s[C + tid])
                         T.wgmma_gemm(t_s, k_s, dkf)
                         T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
                         # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
