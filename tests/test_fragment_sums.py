@@ -31,14 +31,18 @@ def scatter(m, nj):
 
 def test_column_parts_add_up_to_column_sums():
     m = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    part = torch.tensor(fs.col_parts(scatter(m, 4)), dtype=torch.float64).view(4, 64)
+    parts = fs.col_parts(scatter(m, 4))
+    part = torch.tensor(parts, dtype=torch.float64).view(4, 64)
     torch.testing.assert_close(part.sum(0), m.sum(0))
+    torch.testing.assert_close(torch.tensor([fs.col_total(parts, i) for i in range(64)], dtype=torch.float64), m.sum(0))
     torch.testing.assert_close(part, m.view(4, 16, 64).sum(1))  # part[w] holds warp w's 16 rows
 
 
 @pytest.mark.parametrize("K", [64, 128])
 def test_row_parts_add_up_to_row_sums(K):
     m = torch.randn(64, K, dtype=torch.float64, generator=torch.Generator().manual_seed(K))
-    part = torch.tensor(fs.row_parts(scatter(m, K // 16), K // 16), dtype=torch.float64).view(2, 64)
+    parts = fs.row_parts(scatter(m, K // 16), K // 16)
+    part = torch.tensor(parts, dtype=torch.float64).view(2, 64)
     torch.testing.assert_close(part.sum(0), m.sum(1))
+    torch.testing.assert_close(torch.tensor([fs.row_total(parts, i) for i in range(64)], dtype=torch.float64), m.sum(1))
     torch.testing.assert_close(part, m.view(64, 2, K // 2).sum(2).T)  # part[g] holds warpgroup g's columns

@@ -14,6 +14,7 @@ j < NJ (the thread's 8-column blocks).
                                16 rows (both 8-row halves added first, then the lanes by shuffles 4, 8, 16)
   fqla_row_part(a, part, nj)   part[64 g + row] = the sum of row `row` over warpgroup g's columns (the thread's
                                elements j ascending, then lanes by shuffles 1, 2)
+col_total / row_total add a row's or column's parts up, in the order every caller uses (pairs first).
 """
 
 PRELUDE = r"""
@@ -59,6 +60,16 @@ __device__ __forceinline__ void fqla_row_part(const float* a, float* part, int n
   }
 }
 """
+
+
+def col_total(part, i):
+    """Column i's sum from fqla_col_part's four per-warp parts (a buffer or a list)."""
+    return (part[i] + part[64 + i]) + (part[128 + i] + part[192 + i])
+
+
+def row_total(part, i):
+    """Row i's sum from fqla_row_part's two per-warpgroup parts (a buffer or a list)."""
+    return part[i] + part[64 + i]
 
 
 def element_position(t: int, s: int, nj: int):

@@ -35,7 +35,7 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 import tilelang.language as T
 
 from .common import L2NORM_EPS
-from .fragment_sums import PRELUDE
+from .fragment_sums import PRELUDE, col_total, row_total
 from .workspaces import use_canonical_workspaces
 
 C = 64
@@ -204,7 +204,7 @@ def build(dtype: str, K: int, V: int):
             # its own fragment (spread over all threads): on cc's columns only the first warpgroup would fold, a
             # divergent branch between the wgmmas' issue and wait, which makes ptxas serialise them
             hf = T.alloc_fragment((C, BV), "float32")
-            r23 = T.alloc_fragment((C,), "float32")  # l2norm's row sums
+            l2_rows = T.alloc_fragment((C,), "float32")  # l2norm's row sums
             rp = T.alloc_fragment((C,), "float32")
             etw_s = T.alloc_shared((WARPS,), "float32")  # each warp's share of the et part's total
             db_s = T.alloc_shared((C,), "float32")
@@ -455,11 +455,10 @@ def build(dtype: str, K: int, V: int):
                         # r23p_s, dbrp_s) and dd_s
                         T.sync_threads()
                         if tid < C:
-                            acc = (dbcp_s[tid] + dbcp_s[C + tid]) + (dbcp_s[2 * C + tid] + dbcp_s[3 * C + tid])
-                            dg_s[tid] = ((r23p_s[tid] + r23p_s[C + tid]) + (rap_s[tid] + rap_s[C + tid])
-                                         - ((cpp_s[tid] + cpp_s[C + tid]) + (cpp_s[2 * C + tid] + cpp_s[3 * C + tid]))
+                            acc = col_total(dbcp_s, tid)
+                            dg_s[tid] = (row_total(r23p_s, tid) + row_total(rap_s, tid) - col_total(cpp_s, tid)
                                          - acc * b_s[tid])
-                            db_s[tid] = (acc + dd_s[tid]) + (dbrp_s[tid] + dbrp_s[C + tid])
+                            db_s[tid] = (acc + dd_s[tid]) + row_total(dbrp_s, tid)
                         T.wgmma_gemm(t_s, k_s, dkf)
                         T.wgmma_gemm(t_s, k_s, dkf, transpose_A=True)
                         # (waited for before the group's running sums: dgamma's scan and stores run meanwhile)
@@ -507,10 +506,10 @@ def build(dtype: str, K: int, V: int):
                                     dqf[i, d] += dqa_s[i, d]
                                     dkf[i, d] += dka_s[i, d]
                             if l2norm != 0:
-                                # y is still in q_s / k_s, r in rq_s / rk_s (loaded with them); dks and r23 are free
+                                # y is still in q_s / k_s, r in rq_s / rk_s (loaded with them); dks and l2_rows are
                                 # since the state terms
-                                l2norm_backward(dqf, q_s, rq_s, dks, r23)
-                                l2norm_backward(dkf, k_s, rk_s, dks, r23)
+                                l2norm_backward(dqf, q_s, rq_s, dks, l2_rows)
+                                l2norm_backward(dkf, k_s, rk_s, dks, l2_rows)
                                 T.sync_threads()  # every thread's reads of y before q_s / k_s take the results
                             for i, d in T.Parallel(C, K):
                                 q_s[i, d] = T.cast(dqf[i, d], dt)
