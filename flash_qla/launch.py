@@ -82,11 +82,18 @@ def launch(name: str, variant: dict, device: torch.device, sizes: dict, pointers
 _SIDE_STREAMS: dict = {}  # device index -> {name: [streams]}
 
 
+# side streams above the default priority (torch's -1 is above its default 0): where two kernels become ready at once,
+# the device hands out the higher-priority one's CTAs first. The backward's save chain: with the dh chain's CTAs
+# handed out first, one eager call in two left no room for its CTAs beside them on some rows, and it ran after them
+# (H200, hk4_hv8 32k_8seq: 0.81 ms a backward against 0.74 where it went first, as CUDA-graph replay's order has it)
+SIDE_PRIORITY = {"save_chain": -1}
+
+
 def side_stream(device: torch.device, name: str = "side") -> torch.cuda.Stream:
     """A stream for work beside the caller's, distinct from the caller's current stream and from every other named
     side stream. torch.cuda.Stream() hands out its 32-stream pool round-robin, so a cached side stream can be the
     very stream a later caller runs on (a CUDA-graph capture stream, say): the "parallel" branches then ran in
-    order."""
+    order. Created at the name's SIDE_PRIORITY."""
     current = current_stream(device)
     named = _SIDE_STREAMS.setdefault(device.index, {})
     chosen = None
@@ -97,7 +104,7 @@ def side_stream(device: torch.device, name: str = "side") -> torch.cuda.Stream:
     if chosen is None:
         taken = {s.cuda_stream for streams in named.values() for s in streams} | {current}
         for _ in range(64):  # the pool wraps after 32: one of them is free
-            stream = torch.cuda.Stream(device)
+            stream = torch.cuda.Stream(device, priority=SIDE_PRIORITY.get(name, 0))
             if stream.cuda_stream not in taken:
                 named.setdefault(name, []).append(stream)
                 chosen = stream
