@@ -34,8 +34,11 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 """
 import tilelang.language as T
 
+from .block_fragments import block_rows
+from .chunk_passes import PRELUDE as PASSES_PRELUDE
 from .common import L2NORM_EPS
-from .fragment_sums import PRELUDE, col_total, row_total
+from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
+from .fragment_sums import PRELUDE as SUMS_PRELUDE, col_total, row_total
 from .workspaces import use_canonical_workspaces
 
 C = 64
@@ -48,6 +51,7 @@ WARPS = THREADS // 32
 # epilogue (one before and one after every cross-warp reduction, whose own barriers already order its workspace).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 LOG2E = 1.4426950408889634
+PRELUDE = FRAGMENT_PRELUDE + SUMS_PRELUDE + PASSES_PRELUDE
 
 
 def build(dtype: str, K: int, V: int):
@@ -241,6 +245,7 @@ def build(dtype: str, K: int, V: int):
             NB = V // BV
             n_items = (TC // C) * Hq
             tid = T.get_thread_binding()
+            ln, wwg, wg = tid % 32, tid % 128 // 32, tid // 128  # lane, warp in its warpgroup, warpgroup
             blocks = 0
             heads = 0
             items = 0
@@ -407,17 +412,13 @@ def build(dtype: str, K: int, V: int):
                         # Gamma_ii = 1 has no gamma term: the diagonal stays out of gamma's row and column sums, which
                         # would cancel it only up to rounding (the floor above); dbeta takes the A part's diagonal
                         # from dd_s
-                        for i, j in T.Parallel(C, C):
-                            gm = T.if_then_else(i >= j and i < valid, T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
-                            dP[i, j] = dP[i, j] * gm * scale
-                            m_s[i, j] = T.cast(dP[i, j], dt)
-                            cc[i, j] = T.if_then_else(i > j, dP[i, j] * cc[i, j], 0.0)
-                            dAgb[i, j] = dAgb[i, j] * gm
-                            t_s[i, j] = T.cast(dAgb[i, j] * b_s[j], dt)
-                            ga = dAgb[i, j] * T.cast(a_s[i, j], "float32")
-                            if i == j:
-                                dd_s[i] = ga
-                            dP[i, j] = T.if_then_else(i > j, ga, 0.0)
+                        # (chunk_passes.py: Gamma_ij = exp2((gamma_i - gamma_j) log2 e) on the valid lower triangle)
+                        for jj in T.unroll(C // 32):
+                            row, col = block_rows(ln, 16 * wwg, wg * (C // 2) + 16 * jj)
+                            T.call_extern("handle", "fqla_gate_pass_" + dtype, T.address_of(a_s[row, col]),
+                                          T.address_of(m_s[row, col]), T.address_of(t_s[row, col]), dP.data,
+                                          dAgb.data, cc.data, T.address_of(gam_s[0]), T.address_of(b_s[0]),
+                                          T.address_of(dd_s[0]), jj, valid, scale)
                         T.fence_proxy_async()  # m_s and t_s are read by the tensor cores next
                         T.sync_threads()  # m_s, t_s
                         T.wgmma_gemm(m_s, k_s, dqf)
@@ -445,10 +446,10 @@ def build(dtype: str, K: int, V: int):
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                         T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
-                        for i, j in T.Parallel(C, C):
-                            dP[i, j] = T.if_then_else(i > j and i < valid, -dP[i, j], 0.0)
-                            cc[i, j] = dP[i, j] * cc[i, j]
-                            t_s[i, j] = T.cast(dP[i, j] * b_s[i], dt)
+                        for jj in T.unroll(C // 32):  # dL = -strictLower(...) on valid rows (chunk_passes.py)
+                            row, col = block_rows(ln, 16 * wwg, wg * (C // 2) + 16 * jj)
+                            T.call_extern("handle", "fqla_dl_pass_" + dtype, T.address_of(t_s[row, col]), dP.data,
+                                          cc.data, T.address_of(b_s[0]), jj, valid)
                         T.fence_proxy_async()  # t_s is read by the tensor cores below
                         T.call_extern("handle", "fqla_row_part", cc.data, T.address_of(dbrp_s[0]), C // 16)
                         # t_s (its last readers, the A^T dA product, were waited for); the parts (cpp_s, dbcp_s, rap_s,
