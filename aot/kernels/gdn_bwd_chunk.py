@@ -33,14 +33,12 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 (inside, at 255 registers with spills, that code cost 11-16% of this kernel on an H100).
 """
 import tilelang.language as T
-from tilelang.layout import make_swizzled_layout
 
 from .block_fragments import block_rows
 from .chunk_passes import PRELUDE as PASSES_PRELUDE
 from .common import L2NORM_EPS
 from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
 from .fragment_sums import PRELUDE as SUMS_PRELUDE, col_total, row_total
-from .vloop_mma import PRELUDE as VLOOP_PRELUDE
 from .workspaces import use_canonical_workspaces
 
 C = 64
@@ -53,7 +51,7 @@ WARPS = THREADS // 32
 # epilogue (one before and one after every cross-warp reduction, whose own barriers already order its workspace).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
 LOG2E = 1.4426950408889634
-PRELUDE = FRAGMENT_PRELUDE + SUMS_PRELUDE + PASSES_PRELUDE + VLOOP_PRELUDE
+PRELUDE = FRAGMENT_PRELUDE + SUMS_PRELUDE + PASSES_PRELUDE
 
 
 def build(dtype: str, K: int, V: int):
@@ -181,8 +179,6 @@ def build(dtype: str, K: int, V: int):
             dw_s = T.alloc_shared((2, C, BV), dt)
             h_s = T.alloc_shared((2, K, BV), dt)
             dh_s = T.alloc_shared((2, K, BV), dt)
-            # the V-loop products' operands (vloop_mma.py's descriptors assume this 64-byte swizzle)
-            T.annotate_layout({buf: make_swizzled_layout(buf) for buf in (do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s)})
             gam_s = T.alloc_shared((C,), "float32")
             eg_s = T.alloc_shared((C,), "float32")  # exp(gamma)
             # exp(gamma_last - gamma) on the valid rows, 0 past them (etd_s); et_s is 1 on the rows before the last
@@ -336,14 +332,12 @@ def build(dtype: str, K: int, V: int):
                                            loaded, 1 - b, nt0, nbc, nhk * R, 0)
                             T.barrier_arrive(loaded[b])
                             T.mbarrier_wait_parity(loaded[b], (blk // 2) % 2)
-                            # the five products issued back to back, one wait (each T.gemm waited for its own), from
-                            # descriptors made once a block (vloop_mma.py; T.wgmma_gemm remade them at every product)
-                            T.call_extern("handle", "fqla_vloop_mma_" + dtype + "_n" + str(K // 2),
-                                          T.address_of(do_s[b, 0, 0]), T.address_of(dw_s[b, 0, 0]),
-                                          T.address_of(vn_s[b, 0, 0]), T.address_of(x_s[b, 0, 0]),
-                                          T.address_of(h_s[b, 0, 0]), T.address_of(dh_s[b, 0, 0]),
-                                          T.address_of(w_s[b, 0, 0]), dqf.data, dkf.data, dks.data, dP.data,
-                                          dAgb.data)
+                            # the five products issued back to back, one wait (each T.gemm waited for its own)
+                            T.wgmma_gemm(do_s[b, :, :], h_s[b, :, :], dqf, transpose_B=True)
+                            T.wgmma_gemm(dw_s[b, :, :], h_s[b, :, :], dkf, transpose_B=True)
+                            T.wgmma_gemm(vn_s[b, :, :], dh_s[b, :, :], dks, transpose_B=True)
+                            T.wgmma_gemm(do_s[b, :, :], vn_s[b, :, :], dP, transpose_B=True)
+                            T.wgmma_gemm(x_s[b, :, :], w_s[b, :, :], dAgb, transpose_B=True)
                             # sum(S * dS') meanwhile on the CUDA cores, its K rows folded onto hf's C (formerly a
                             # K-deep product S^T dS' whose trace was taken)
                             for i, j in T.Parallel(C, BV):
