@@ -20,19 +20,17 @@ stays a T.Parallel loop: nvcc keeps its row factors in registers there already, 
 spilled 56 bytes.
 """
 
-# after fragment_io.PRELUDE (fqla_pack_*, fqla_bf16_lo / _hi, fqla_fp16_lo / _hi, fqla_ldsm4)
-PRELUDE = r"""
+LOG2E = 1.4426950408889634  # gdn_bwd_chunk.py's too (its per-row factors): one value for both
+
+# after fragment_io.PRELUDE (fqla_bf16_lo / _hi, fqla_fp16_lo / _hi, fqla_ldsm4, fqla_stsm_*: a call's eight elements are
+# its stmatrix block j = 0)
+PRELUDE = f"#define FQLA_LOG2E {LOG2E!r}f" + r"""
 __device__ __forceinline__ float fqla_ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ void fqla_stsm4(void* p, const unsigned* r) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
-               :: "r"(s), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
-#define FQLA_CHUNK_PASSES(SUF, LO, HI, PACK) \
+#define FQLA_CHUNK_PASSES(SUF, LO, HI) \
 __device__ __forceinline__ void fqla_gate_pass_##SUF(const void* pa, void* pm, void* pt, float* dP, const float* dA, \
     float* cc, const float* gam, const float* b, float* dd, int jj, int valid, float scale) { \
   const int t = threadIdx.x, lane = t & 31, r0 = 16 * ((t & 127) >> 5) + (lane >> 2); \
@@ -40,50 +38,46 @@ __device__ __forceinline__ void fqla_gate_pass_##SUF(const void* pa, void* pm, v
   const float gr[2] = {gam[r0], gam[r0 + 8]}; \
   const float gc[4] = {gam[c0], gam[c0 + 1], gam[c0 + 8], gam[c0 + 9]}; \
   const float bc[4] = {b[c0], b[c0 + 1], b[c0 + 8], b[c0 + 9]}; \
-  unsigned a[4], m[4], tt[4]; \
+  unsigned a[4]; \
+  float mv[8], tv[8]; /* the tiles' values in the call's element order, for fragment_io's stmatrix store */ \
   fqla_ldsm4(pa, a); \
   _Pragma("unroll") for (int q = 0; q < 4; ++q) { \
     const int row = r0 + 8 * (q & 1); \
-    float mv[2], tv[2]; \
     _Pragma("unroll") for (int e = 0; e < 2; ++e) { \
       const int i = 8 * jj + 2 * q + e, cj = 2 * (q >> 1) + e, col = c0 + 8 * (q >> 1) + e; \
-      const float gm = (row >= col && row < valid) ? fqla_ex2((gr[q & 1] - gc[cj]) * 1.4426950408889634f) : 0.f; \
+      const float gm = (row >= col && row < valid) ? fqla_ex2((gr[q & 1] - gc[cj]) * FQLA_LOG2E) : 0.f; \
       const float dps = dP[i] * gm * scale; \
-      mv[e] = dps; \
+      mv[2 * q + e] = dps; \
       cc[i] = row > col ? dps * cc[i] : 0.f; \
       const float da = dA[i] * gm; \
-      tv[e] = da * bc[cj]; \
+      tv[2 * q + e] = da * bc[cj]; \
       const float ga = da * (e ? HI(a[q]) : LO(a[q])); \
       if (row == col) dd[row] = ga; \
       dP[i] = row > col ? ga : 0.f; \
     } \
-    m[q] = PACK(mv[0], mv[1]); \
-    tt[q] = PACK(tv[0], tv[1]); \
   } \
-  fqla_stsm4(pm, m); \
-  fqla_stsm4(pt, tt); \
+  fqla_stsm_##SUF(pm, mv, 0); \
+  fqla_stsm_##SUF(pt, tv, 0); \
 } \
 __device__ __forceinline__ void fqla_dl_pass_##SUF(void* pt, float* dP, float* cc, const float* b, int jj, int valid) { \
   const int t = threadIdx.x, lane = t & 31, r0 = 16 * ((t & 127) >> 5) + (lane >> 2); \
   const int c0 = 32 * (t >> 7) + 16 * jj + 2 * (lane & 3); \
   const float br[2] = {b[r0], b[r0 + 8]}; \
-  unsigned tt[4]; \
+  float tv[8]; \
   _Pragma("unroll") for (int q = 0; q < 4; ++q) { \
     const int row = r0 + 8 * (q & 1); \
-    float tv[2]; \
     _Pragma("unroll") for (int e = 0; e < 2; ++e) { \
       const int i = 8 * jj + 2 * q + e, col = c0 + 8 * (q >> 1) + e; \
       const float v = (row > col && row < valid) ? -dP[i] : 0.f; \
       dP[i] = v; \
       cc[i] = v * cc[i]; \
-      tv[e] = v * br[q & 1]; \
+      tv[2 * q + e] = v * br[q & 1]; \
     } \
-    tt[q] = PACK(tv[0], tv[1]); \
   } \
-  fqla_stsm4(pt, tt); \
+  fqla_stsm_##SUF(pt, tv, 0); \
 }
-FQLA_CHUNK_PASSES(bf16, fqla_bf16_lo, fqla_bf16_hi, fqla_pack_bf16)
-FQLA_CHUNK_PASSES(fp16, fqla_fp16_lo, fqla_fp16_hi, fqla_pack_fp16)
+FQLA_CHUNK_PASSES(bf16, fqla_bf16_lo, fqla_bf16_hi)
+FQLA_CHUNK_PASSES(fp16, fqla_fp16_lo, fqla_fp16_hi)
 """
 
 

@@ -35,7 +35,7 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 import tilelang.language as T
 
 from .block_fragments import block_rows
-from .chunk_passes import PRELUDE as PASSES_PRELUDE
+from .chunk_passes import LOG2E, PRELUDE as PASSES_PRELUDE
 from .common import L2NORM_EPS
 from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
 from .fragment_sums import PRELUDE as SUMS_PRELUDE, col_total, row_total
@@ -50,7 +50,6 @@ WARPS = THREADS // 32
 # Every CTA barrier is written out below, each naming what it orders. TileLang's own pass put ~30 in each head's
 # epilogue (one before and one after every cross-warp reduction, whose own barriers already order its workspace).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
-LOG2E = 1.4426950408889634
 PRELUDE = FRAGMENT_PRELUDE + SUMS_PRELUDE + PASSES_PRELUDE
 
 
