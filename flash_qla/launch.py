@@ -83,9 +83,10 @@ _SIDE_STREAMS: dict = {}  # device index -> {name: [streams]}
 
 
 # side streams above the default priority (torch's -1 is above its default 0): where two kernels become ready at once,
-# the device hands out the higher-priority one's CTAs first. The backward's save chain: with the dh chain's CTAs
-# handed out first, one eager call in two left no room for its CTAs beside them on some rows, and it ran after them
-# (H200, hk4_hv8 32k_8seq: 0.81 ms a backward against 0.74 where it went first, as CUDA-graph replay's order has it)
+# the device hands out the higher-priority one's CTAs first. The backward's save chain: which of it and the dh chain
+# went first varied from process to process in eager calls, and with the dh chain's CTAs first there was no room for
+# its own beside them on some rows (H200, hk4_hv8 32k_8seq: 0.81 ms a backward against 0.73 where it went first, as
+# CUDA-graph replay's order has it)
 SIDE_PRIORITY = {"save_chain": -1}
 
 
