@@ -221,9 +221,8 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
     q_raw, k_raw = raw if raw is not None else (saved["q"], saved["k"])
     # persistent: one CTA per SM (its shared memory allows no second) walks the (chunk slot, q/k head) items
     ctas = min(settings.chunk_ctas_max or num_sms(dev), saved["TC"] // CHUNK * Hq)
-    gsum = empty(2 * ctas, CHUNK, K, device=dev, dtype=torch.float32)  # each CTA's GVA running sums (L2 scratch)
     launch(CHUNK_KERNEL, {"dtype": saved["tag"], "K": K, "V": problem.head_dim_v}, dev,
-                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas, NS=2 * ctas),
+                dict(saved["sizes"], l2norm=int(raw is not None), ctas=ctas),
                 {"q": saved["q"].data_ptr(), "k": saved["k"].data_ptr(), "A": saved["A"].data_ptr(),
                  "beta": beta.data_ptr(), "gam_t": saved["gam_t"].data_ptr(),
                  "do": do_p.data_ptr(), "w": saved["w"].data_ptr(),
@@ -233,7 +232,7 @@ def _chunk_kernel(problem: Problem, saved: dict, do_p, x, dv, dhs, raw=None):
                  "dbeta": dbeta.data_ptr(), "dg": dg.data_ptr(), "q_raw": q_raw.data_ptr(),
                  "k_raw": k_raw.data_ptr(),
                  # l2norm: the rows' factors (|x|^2 + eps)^-1/2 from gdn_prepare (without it, ops' stand-in: unread)
-                 "rn": saved["rn"].data_ptr(), "gsum": gsum.data_ptr()})
+                 "rn": saved["rn"].data_ptr()})
     part = _gate_backward(problem, saved, gate, beta, dg, dbeta) if gate.mode else None
     return dq, dk, dbeta, dg, part
 

@@ -14,10 +14,10 @@ summed and cancelled in fp32 they leave an absolute error of the terms' size (~1
 (g of -30 per token and below) is far above dg itself, in FLA's relative measure a 60x error.
 Rows past the sequence end hold the next sequence's (finite) rows: every C x C term is masked to the
 valid causal pairs and row outputs are stored for valid rows only. Each (chunk, q/k head) item walks the
-GVA group's v-heads in order and sums their dq / dk in fp32 in a CTA-private L2 scratch (gsum), so the group
-reduction costs no extra pass over DRAM and is deterministic.
+GVA group's v-heads in order and sums their dq / dk in shared memory, so the group reduction costs no
+extra pass over memory and is deterministic.
 The kernel is persistent: `ctas` CTAs (one per SM; the host passes min(SMs, items)) walk the (chunk slot, q/k head)
-items round-robin. Each item's first NBUF V blocks are loaded under the previous item's epilogue (each head's under the
+items round-robin. Each item's first two V blocks are loaded under the previous item's epilogue (each head's under the
 previous head's), its q / k tiles under its first V blocks (first needed by head 0's epilogue), and the next item's
 chunk lookup under its work: as one CTA per item, an SM spent ~2 us between CTAs and ~1.5 us waiting for each CTA's
 first tiles (clock stamps, hk16_hv32 32k_1seq: 26 us an item). A whole chunk's dq / dk (no l2norm) are rounded into
@@ -42,11 +42,7 @@ from .fragment_sums import PRELUDE as SUMS_PRELUDE, col_total, row_total
 from .workspaces import use_canonical_workspaces
 
 C = 64
-BV = 32   # V block
-# V-block buffers: a head's four blocks (V = 128) all load under the previous head's epilogue and V loop; with two, its
-# third and fourth waited in the loop for loads issued one block earlier (the TMA wait held 12% of the stall samples).
-# At most NB = V / BV, so that a freed buffer's next block is never more than one item ahead
-MAX_BUFFERS = 4
+BV = 32   # V block: two buffers of its seven tiles fit, so block b + 1 loads while block b computes
 VARIANTS = {"dtype": ["bf16", "fp16"], "K": [64, 128], "V": [64, 128, 256]}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 THREADS = 256
@@ -62,13 +58,10 @@ def build(dtype: str, K: int, V: int):
     # next: put in a canonical order, every build of this source gives the same cubin (aot/kernels/workspaces.py)
     use_canonical_workspaces()
     dt = DTYPES[dtype]
-    NB = V // BV
-    NBUF = min(MAX_BUFFERS, NB)
     NT = T.dynamic("T")
     Hq = T.dynamic("Hq")
     Hv = T.dynamic("Hv")
     TC = T.dynamic("TC")
-    NS = T.dynamic("NS")
 
     @T.macro
     def load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, b, t0, bc, h, v0):
@@ -81,18 +74,6 @@ def build(dtype: str, K: int, V: int):
         T.tma_copy(dv[t0:t0 + C, h, v0:v0 + BV], dw_s[b, :, :], barrier=loaded[b])
         T.tma_copy(hs[bc, h, :, v0:v0 + BV], h_s[b, :, :], barrier=loaded[b])
         T.tma_copy(dhs[bc, h, :, v0:v0 + BV], dh_s[b, :, :], barrier=loaded[b])
-
-    @T.macro
-    def load_target(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, b, tg, t0, bc, hk,
-                    nt0, nbc, nhk, R):
-        """Block tg of the item's R * NB (v-head major) into buffer b; tg >= R * NB names the next item's block
-        tg - R * NB (the caller knows there is one)."""
-        if tg < R * NB:
-            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, b, t0, bc,
-                       hk * R + tg // NB, (tg % NB) * BV)
-        else:
-            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded, b, nt0, nbc,
-                       nhk * R + (tg - R * NB) // NB, ((tg - R * NB) % NB) * BV)
 
     @T.macro
     def load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm):
@@ -117,8 +98,8 @@ def build(dtype: str, K: int, V: int):
     E = K // 32  # a warp's lanes cover a row of K: E consecutive elements each
 
     @T.macro
-    def store_rows(grad, slot, raw_s, out, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red):
-        """out's valid rows from the fp32 sums in grad[slot]; with l2norm, through the l2norm backward: grad holds
+    def store_rows(grad_s, raw_s, out, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red):
+        """out's valid rows from the fp32 sums in grad_s; with l2norm, through the l2norm backward: grad_s holds
         dL/dy for y = x r (the normalised row the products used), out gets dL/dx = r dy - r^3 x (x . dy), with x the
         raw row (from raw_s: the tile came by TMA, where a global load a row had put one latency on each row) and
         r = (|x|^2 + eps)^-1/2 recomputed in fp32 (one warp per row; the row is warp-uniform, so the shuffles see
@@ -127,7 +108,7 @@ def build(dtype: str, K: int, V: int):
             row = it * WARPS + warp
             if row < valid:
                 for u in T.vectorized(E):
-                    gv[u] = grad[slot, row, lane * E + u]
+                    gv[u] = grad_s[row, lane * E + u]
                 if l2norm != 0:
                     for u in T.vectorized(E):
                         xr[u] = raw_s[row, lane * E + u]
@@ -177,10 +158,6 @@ def build(dtype: str, K: int, V: int):
         # l2norm: the q (0) / k (1) rows' factors as gdn_prepare stored them, by chunk slot (slot * 64 + row): a
         # chunk's 64 are one TMA box whose start is 256-byte aligned (a box at token t0 is not, and TMA faults)
         rn: T.Tensor((2, Hq, TC), "float32"),
-        # the GVA group's running dq (2 c) / dk (2 c + 1) sums of CTA c, fp32: each thread writes and reads back its
-        # own accumulator elements (L2-resident, 64 KB a CTA at K = 128); a partial chunk's rows are read from here by
-        # the row-store loop. In shared memory they took the two V-block buffers beyond the first two
-        gsum: T.Tensor((NS, C, K), "float32"),
         scale: T.float32,
         l2norm: T.int32,
         ctas: T.int32,
@@ -194,13 +171,13 @@ def build(dtype: str, K: int, V: int):
             a_s = T.alloc_shared((C, C), dt)
             m_s = T.alloc_shared((C, C), dt)
             t_s = T.alloc_shared((C, C), dt)
-            do_s = T.alloc_shared((NBUF, C, BV), dt)
-            w_s = T.alloc_shared((NBUF, C, BV), dt)
-            vn_s = T.alloc_shared((NBUF, C, BV), dt)
-            x_s = T.alloc_shared((NBUF, C, BV), dt)
-            dw_s = T.alloc_shared((NBUF, C, BV), dt)
-            h_s = T.alloc_shared((NBUF, K, BV), dt)
-            dh_s = T.alloc_shared((NBUF, K, BV), dt)
+            do_s = T.alloc_shared((2, C, BV), dt)
+            w_s = T.alloc_shared((2, C, BV), dt)
+            vn_s = T.alloc_shared((2, C, BV), dt)
+            x_s = T.alloc_shared((2, C, BV), dt)
+            dw_s = T.alloc_shared((2, C, BV), dt)
+            h_s = T.alloc_shared((2, K, BV), dt)
+            dh_s = T.alloc_shared((2, K, BV), dt)
             gam_s = T.alloc_shared((C,), "float32")
             eg_s = T.alloc_shared((C,), "float32")  # exp(gamma)
             # exp(gamma_last - gamma) on the valid rows, 0 past them (etd_s); et_s is 1 on the rows before the last
@@ -217,6 +194,10 @@ def build(dtype: str, K: int, V: int):
             r23p_s = T.alloc_shared((2 * C,), "float32")  # the state terms' row sums through q and k, by warpgroup
             dbrp_s = T.alloc_shared((2 * C,), "float32")  # dL K K^T's row sums (dbeta), by warpgroup
             hd_s = T.alloc_shared((C,), "float32")   # diag(S^T dS') of this V-block loop
+            # dq, dk summed over the GVA group's v-heads, added from the accumulator layout (float2 per thread,
+            # eight rows per instruction): rows padded by 32 bytes, conflict-free (8-way without, ncu)
+            dqa_s = T.alloc_shared((C, K + 8), "float32")
+            dka_s = T.alloc_shared((C, K + 8), "float32")
             dqf = T.alloc_fragment((C, K), "float32")
             dkf = T.alloc_fragment((C, K), "float32")
             dks = T.alloc_fragment((C, K), "float32")
@@ -255,11 +236,12 @@ def build(dtype: str, K: int, V: int):
             et_part = T.alloc_local((1,), "float32")
             moved = T.alloc_local((2,), "float32")
             rowv = T.alloc_local((3,), "float32")  # a head's gamma, gamma_last, beta for row tid
-            loaded = T.alloc_barrier([THREADS] * NBUF)  # the V-block buffers
+            loaded = T.alloc_barrier([THREADS, THREADS])  # the two V-block buffers
             qk_bar = T.alloc_barrier(THREADS)
             a_bar = T.alloc_barrier(THREADS)  # each head's A tile
             raw_bar = T.alloc_barrier(THREADS)  # l2norm, row path: the raw q / k tiles
             R = Hv // Hq
+            NB = V // BV
             n_items = (TC // C) * Hq
             tid = T.get_thread_binding()
             ln, wwg, wg = tid % 32, tid % 128 // 32, tid // 128  # lane, warp in its warpgroup, warpgroup
@@ -299,9 +281,8 @@ def build(dtype: str, K: int, V: int):
                             T.fence_proxy_async()
                             T.sync_threads()
                         load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
-                        for j in T.unroll(NBUF):  # the item's first NBUF blocks (NBUF <= NB: head hk * R's)
-                            load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
-                                       (blocks + j) % NBUF, t0, bc, hk * R, j * BV)
+                        load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
+                                   blocks % 2, t0, bc, hk * R, 0)
                     for r in T.serial(R):  # the group's v-heads in order: deterministic sums
                         h = hk * R + r
                         # the previous head's reads of a_s (generic and tensor-core) before the TMA overwrites it
@@ -327,24 +308,29 @@ def build(dtype: str, K: int, V: int):
                         T.clear(hf)  # sum(S * dS') over the V blocks (eg_last's factor), folded onto C x BV
                         # T.Pipelined here (warp-specialised) broke dg and ran slower on the H200
                         for vb in T.serial(NB):
-                            gi = r * NB + vb  # the block's index in the item
-                            blk = blocks + gi  # the CTA's running block count: buffer blk % NBUF, its use blk // NBUF
-                            b = blk % NBUF
-                            if vb == 0 and r == 0 and ahead != 0:
-                                # the previous item issued this one's first blocks; its dq / dk TMA stores read
-                                # q_s / k_s: the elected thread waits for those reads, then issues this item's q / k
-                                # (first waited for at head 0's epilogue)
-                                T.tma_store_wait()
-                                load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
-                            # the previous block's buffer takes the block NBUF after it (a head's first block: the
-                            # epilogue before it did that)
-                            if vb > 0 and (gi - 1 + NBUF < R * NB or nvalid > 0):
+                            nxt = r * NB + vb + 1  # the item's next block
+                            blk = blocks + nxt - 1  # the CTA's running block count: buffer blk % 2, its use blk // 2
+                            b = blk % 2
+                            if nxt < R * NB and vb == 0 and (r > 0 or ahead != 0):
+                                # a head's second block left under the previous head's (item's) epilogue
+                                if r == 0:
+                                    # the previous item's dq / dk TMA stores read q_s / k_s: the elected thread
+                                    # waits for those reads, then issues this item's q / k (first waited for at
+                                    # head 0's epilogue)
+                                    T.tma_store_wait()
+                                    load_qk(q, k, rn, q_s, k_s, rq_s, rk_s, qk_bar, t0, bc, hk, l2norm)
+                            elif nxt < R * NB:  # the next block (of this head or the next) into the other buffer
                                 T.fence_proxy_async()
                                 T.sync_threads()  # block blk - 1's products and folds are done with that buffer
-                                load_target(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
-                                            (blk - 1) % NBUF, gi - 1 + NBUF, t0, bc, hk, nt0, nbc, nhk, R)
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, 1 - b, t0, bc, hk * R + nxt // NB, (nxt % NB) * BV)
+                            elif nvalid > 0:  # the next item's first block, under this item's last epilogue
+                                T.fence_proxy_async()
+                                T.sync_threads()
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, 1 - b, nt0, nbc, nhk * R, 0)
                             T.barrier_arrive(loaded[b])
-                            T.mbarrier_wait_parity(loaded[b], (blk // NBUF) % 2)
+                            T.mbarrier_wait_parity(loaded[b], (blk // 2) % 2)
                             # the five products issued back to back, one wait (each T.gemm waited for its own)
                             T.wgmma_gemm(do_s[b, :, :], h_s[b, :, :], dqf, transpose_B=True)
                             T.wgmma_gemm(dw_s[b, :, :], h_s[b, :, :], dkf, transpose_B=True)
@@ -362,14 +348,19 @@ def build(dtype: str, K: int, V: int):
                             T.warpgroup_fence_operand(dks, num_regs=C * K // THREADS)
                             T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                             T.warpgroup_fence_operand(dAgb, num_regs=C * C // THREADS)
-                        # the last block's buffer is free once every thread is past its products and fold: the block
-                        # NBUF after it (the next head's or item's) goes there now, under the epilogue
-                        last = (r + 1) * NB - 1  # the head's last block in the item
-                        if last + NBUF < R * NB or nvalid > 0:
+                        # the last block's buffer is free once every thread is past its products and fold: the next
+                        # head's (item's) second block goes there now, so two blocks load under the epilogue, where
+                        # one left the next V loop waiting on its second block's loads (long scoreboard, ncu)
+                        freed = (blocks + (r + 1) * NB - 1) % 2  # the buffer of the head's last block
+                        if r < R - 1 or nvalid > 0:
                             T.fence_proxy_async()
                             T.sync_threads()
-                            load_target(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s, loaded,
-                                        (blocks + last) % NBUF, last + NBUF, t0, bc, hk, nt0, nbc, nhk, R)
+                            if r < R - 1:
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, freed, t0, bc, hk * R + r + 1, BV)
+                            else:
+                                load_block(do, w, vnew, x, dv, hs, dhs, do_s, w_s, vn_s, x_s, dw_s, h_s, dh_s,
+                                           loaded, freed, nt0, nbc, nhk * R, BV)
                         if tid < C:
                             gam_s[tid] = rowv[0]
                             # the state terms' row factors, once per head (not one exp2 per C x K element)
@@ -512,8 +503,8 @@ def build(dtype: str, K: int, V: int):
                             T.sync_threads()
                             if r > 0:
                                 for i, d in T.Parallel(C, K):
-                                    dqf[i, d] += gsum[2 * pid, i, d]
-                                    dkf[i, d] += gsum[2 * pid + 1, i, d]
+                                    dqf[i, d] += dqa_s[i, d]
+                                    dkf[i, d] += dka_s[i, d]
                             if l2norm != 0:
                                 # y is still in q_s / k_s, r in rq_s / rk_s (loaded with them); dks and l2_rows are
                                 # since the state terms
@@ -526,13 +517,12 @@ def build(dtype: str, K: int, V: int):
                         else:
                             if r > 0:
                                 for i, d in T.Parallel(C, K):
-                                    dqf[i, d] += gsum[2 * pid, i, d]
-                                    dkf[i, d] += gsum[2 * pid + 1, i, d]
+                                    dqf[i, d] += dqa_s[i, d]
+                                    dkf[i, d] += dka_s[i, d]
                             for i, d in T.Parallel(C, K):
-                                gsum[2 * pid, i, d] = dqf[i, d]
-                                gsum[2 * pid + 1, i, d] = dkf[i, d]
-                    # generic writes of q_s / k_s (TMA-stored) or of gsum (a partial chunk's rows, read across
-                    # threads) published
+                                dqa_s[i, d] = dqf[i, d]
+                                dka_s[i, d] = dkf[i, d]
+                    # generic writes of q_s / k_s (TMA-stored) or of dqa_s / dka_s (read across threads) published
                     T.fence_proxy_async()
                     T.sync_threads()
                     if whole != 0:
@@ -547,8 +537,8 @@ def build(dtype: str, K: int, V: int):
                             raws += 1
                         warp = T.get_thread_binding() // 32
                         lane = T.get_thread_binding() % 32
-                        store_rows(gsum, 2 * pid, q_s, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
-                        store_rows(gsum, 2 * pid + 1, k_s, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                        store_rows(dqa_s, q_s, dq, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
+                        store_rows(dka_s, k_s, dk, t0, hk, valid, l2norm, warp, lane, xr, gv, ov, red)
                     blocks += R * NB
                     heads += R
                     items += 1
