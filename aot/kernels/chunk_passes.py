@@ -84,7 +84,7 @@ FQLA_CHUNK_PASSES(fp16, fqla_fp16_lo, fqla_fp16_hi)
 def block_origin(warp: int, group: int, nj: int, jj: int):
     """(row, column) of the 16 x 16 tile block a call covers for warp `warp` (within its warpgroup) of warpgroup
     `group`, the thread's accumulator holding nj 8-column blocks (4 here): block_fragments.block_rows's R and C."""
-    return 16 * warp, group * 8 * nj + 16 * jj
+    return 16 * warp, group * (8 * nj) + 16 * jj
 
 
 def call_elements(t: int, nj: int, jj: int):

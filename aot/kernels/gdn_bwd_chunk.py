@@ -35,7 +35,7 @@ aot/kernels/gdn_gate_bwd.py activates beta before it and turns dg / dbeta into t
 import tilelang.language as T
 
 from .block_fragments import block_rows
-from .chunk_passes import LOG2E, PRELUDE as PASSES_PRELUDE
+from .chunk_passes import LOG2E, PRELUDE as PASSES_PRELUDE, block_origin
 from .common import L2NORM_EPS
 from .fragment_io import PRELUDE as FRAGMENT_PRELUDE
 from .fragment_sums import PRELUDE as SUMS_PRELUDE, col_total, row_total
@@ -413,7 +413,7 @@ def build(dtype: str, K: int, V: int):
                         # from dd_s
                         # (chunk_passes.py: Gamma_ij = exp2((gamma_i - gamma_j) log2 e) on the valid lower triangle)
                         for jj in T.unroll(C // 32):
-                            row, col = block_rows(ln, 16 * wwg, wg * (C // 2) + 16 * jj)
+                            row, col = block_rows(ln, *block_origin(wwg, wg, C // 16, jj))
                             T.call_extern("handle", "fqla_gate_pass_" + dtype, T.address_of(a_s[row, col]),
                                           T.address_of(m_s[row, col]), T.address_of(t_s[row, col]), dP.data,
                                           dAgb.data, cc.data, T.address_of(gam_s[0]), T.address_of(b_s[0]),
@@ -446,7 +446,7 @@ def build(dtype: str, K: int, V: int):
                         T.warpgroup_fence_operand(dP, num_regs=C * C // THREADS)
                         T.warpgroup_fence_operand(cc, num_regs=C * C // THREADS)
                         for jj in T.unroll(C // 32):  # dL = -strictLower(...) on valid rows (chunk_passes.py)
-                            row, col = block_rows(ln, 16 * wwg, wg * (C // 2) + 16 * jj)
+                            row, col = block_rows(ln, *block_origin(wwg, wg, C // 16, jj))
                             T.call_extern("handle", "fqla_dl_pass_" + dtype, T.address_of(t_s[row, col]), dP.data,
                                           cc.data, T.address_of(b_s[0]), jj, valid)
                         T.fence_proxy_async()  # t_s is read by the tensor cores below
